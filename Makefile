@@ -1,0 +1,55 @@
+# kvshare developer entry points. `make demo` and `make test` set everything up themselves:
+# a virtualenv in .venv with pinned dependencies (requirements/dev.lock), generated code,
+# and the tools the tests use. Nothing needs to be installed by hand.
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip install --quiet --disable-pip-version-check
+LOCK   := requirements/dev.lock
+# Each install set is recorded by a stamp, so a target installs only what it needs.
+DEV_STAMP  := $(VENV)/.dev-installed
+DEMO_STAMP := $(VENV)/.demo-installed
+
+.PHONY: help venv test lint format bench demo docs clean
+
+help:  ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -e 's/:.*## /\t/'
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) --upgrade pip
+
+$(DEV_STAMP): pyproject.toml $(LOCK) | $(PY)
+	$(PIP) -c $(LOCK) -e '.[dev]'
+	touch $@
+
+$(DEMO_STAMP): pyproject.toml $(LOCK) | $(PY)
+	$(PIP) -c $(LOCK) -e '.[runtime,node,demo]'
+	touch $@
+
+venv: $(DEV_STAMP)  ## create .venv with everything needed to develop
+
+test: $(DEV_STAMP)  ## run the test suite
+	$(PY) -m pytest
+
+lint: $(DEV_STAMP)  ## ruff (lint + format check) and mypy
+	$(VENV)/bin/ruff check src tests bench tools
+	$(VENV)/bin/ruff format --check src tests bench tools
+	$(VENV)/bin/mypy
+
+format: $(DEV_STAMP)  ## apply ruff's fixes and formatting
+	$(VENV)/bin/ruff check --fix src tests bench tools
+	$(VENV)/bin/ruff format src tests bench tools
+
+bench: $(DEV_STAMP)  ## run every benchmark and rewrite BENCHMARKS.md
+	$(PY) bench/run.py --all --write BENCHMARKS.md
+
+demo:  ## the elastic-vs-static demo on this machine (no GPU, no cluster)
+	@echo "kvshare demo is not built yet: there is no demo program to run." >&2; exit 1
+
+docs: $(DEV_STAMP)  ## regenerate the README's generated tables
+	$(PY) tools/update_readme.py
+
+clean:  ## remove the virtualenv and caches
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

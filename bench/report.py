@@ -1,0 +1,47 @@
+"""BENCHMARKS.md: one table per benchmark with target, measured value, machine and date."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from harness import Result
+
+_HEADER = """# Benchmarks
+
+Written by `make bench` (`python bench/run.py --all --write BENCHMARKS.md`); do not edit the
+tables by hand. Each benchmark measures its baseline in the same run as the thing compared
+with it. Reproduce one with the command under its table; `--json` prints the fields as JSON.
+"""
+
+_GPU_MARKER = "<!-- gpu-check results below are kept across `make bench` runs -->"
+
+
+def _table(result: Result, machine: str, date: str, command: str) -> str:
+    targets = {t.field: t for t in result.targets}
+    lines = [f"## {result.name}", "", "| field | measured | target | met |", "|---|---|---|---|"]
+    for key, value in result.fields.items():
+        shown = f"{value:.4g}" if isinstance(value, float) else str(value)
+        target = targets.get(key)
+        if target is None:
+            lines.append(f"| `{key}` | {shown} | | |")
+        else:
+            met = "yes" if target.met_by(float(value)) else "**no**"
+            lines.append(f"| `{key}` | {shown} | {target} | {met} |")
+    lines += ["", f"Machine: {machine}. Date: {date}.", ""]
+    lines += [f"Command: `{command.replace('--all', result.name)}`", ""]
+    if result.notes:
+        lines += [result.notes, ""]
+    return "\n".join(lines)
+
+
+def write_report(
+    path: Path, results: list[Result], *, machine: str, date: str, command: str
+) -> None:
+    """Rewrite ``path``: the tables of ``results``, then any recorded GPU-check section."""
+    kept = ""
+    if path.exists():
+        text = path.read_text(encoding="utf-8")
+        if _GPU_MARKER in text:
+            kept = text[text.index(_GPU_MARKER) :]
+    body = "\n".join(_table(r, machine, date, command) for r in results)
+    path.write_text(_HEADER + "\n" + body + ("\n" + kept if kept else ""), encoding="utf-8")

@@ -1,0 +1,86 @@
+"""Run kvshare's benchmarks: ``python bench/run.py NAME [--quick] [--json]``.
+
+``--all`` runs every benchmark; ``--write FILE`` rewrites the report (``make bench``
+writes BENCHMARKS.md). With ``--json`` the last line printed is one JSON object per run.
+Exit status 1 when a measured value misses its target.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from harness import Result, machine, today
+from report import write_report
+
+BENCH_DIR = Path(__file__).resolve().parent
+#: Every benchmark, in report order. Each is ``bench/<name>.py`` with ``run(quick)``.
+BENCHMARKS = ("placement", "vmm", "blocks", "broker", "deviceplugin", "operator", "elastic")
+
+
+def available() -> list[str]:
+    return [name for name in BENCHMARKS if (BENCH_DIR / f"{name}.py").exists()]
+
+
+def load(name: str) -> ModuleType:
+    path = BENCH_DIR / f"{name}.py"
+    if name not in BENCHMARKS or not path.exists():
+        raise SystemExit(f"unknown benchmark {name!r}; available: {', '.join(available())}")
+    spec = importlib.util.spec_from_file_location(f"kvshare_bench_{name}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def print_table(result: Result) -> None:
+    targets = {t.field: t for t in result.targets}
+    print(f"\n{result.name}")
+    width = max(len(k) for k in result.fields)
+    for key, value in result.fields.items():
+        target = targets.get(key)
+        verdict = ""
+        if target is not None:
+            verdict = f"  (target {target}: {'met' if target.met_by(float(value)) else 'MISSED'})"
+        shown = f"{value:.4g}" if isinstance(value, float) else str(value)
+        print(f"  {key:<{width}}  {shown}{verdict}")
+    if result.notes:
+        print(f"  note: {result.notes}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("names", nargs="*", help=f"benchmarks to run: {', '.join(BENCHMARKS)}")
+    parser.add_argument("--all", action="store_true", help="run every benchmark")
+    parser.add_argument("--quick", action="store_true", help="smaller sizes, same fields")
+    parser.add_argument("--json", action="store_true", help="print a JSON object last")
+    parser.add_argument("--write", metavar="FILE", help="rewrite this report with the results")
+    args = parser.parse_args(argv)
+    names = available() if args.all else args.names
+    if not names:
+        parser.error("name a benchmark or pass --all")
+    results = []
+    for name in names:
+        result: Result = load(name).run(quick=args.quick)
+        results.append(result)
+        print_table(result)
+    if args.write:
+        command = "python bench/run.py --all" + (" --quick" if args.quick else "")
+        write_report(Path(args.write), results, machine=machine(), date=today(), command=command)
+        print(f"\nwrote {args.write}")
+    if args.json:
+        payloads = [
+            {"name": r.name, **r.fields, "targets_met": not r.failed_targets()} for r in results
+        ]
+        print(json.dumps(payloads[0] if len(payloads) == 1 else payloads))
+    return 1 if any(r.failed_targets() for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

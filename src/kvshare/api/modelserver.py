@@ -1,0 +1,304 @@
+"""The ``ModelServer`` custom resource: one model served by vLLM or SGLang on shared GPUs.
+
+A ModelServer describes *what* to serve and *how much GPU memory* each worker needs:
+a static part (weights, activations, CUDA context) that never moves, and an elastic KV
+cache with a guaranteed ``min``, a ``max`` cap and a reclaim ``priority``. The operator
+places its replicas onto GPUs (see :mod:`kvshare.api.placement`) and reports back in
+:class:`ModelServerStatus`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field, StringConstraints, model_validator
+
+from kvshare.api.kube import (
+    ByteQuantity,
+    CelRule,
+    Condition,
+    EnvVar,
+    KubeModel,
+    ResourceRequirements,
+    Toleration,
+    cel_rules,
+)
+from kvshare.api.names import GPU_MEMORY_UNIT_BYTES, GROUP
+from kvshare.api.quantity import format_bytes
+
+__all__ = [
+    "ENGINE_MANAGED_FLAGS",
+    "Engine",
+    "KVCacheSpec",
+    "KVUsage",
+    "ModelServerSpec",
+    "ModelServerStatus",
+    "Phase",
+    "ReplicaPlacement",
+]
+
+Engine = Literal["vllm", "sglang"]
+Phase = Literal["Pending", "Unschedulable", "Starting", "Ready", "Degraded"]
+DType = Literal["bfloat16", "float16", "float32", "fp8"]
+
+#: Engine command-line flags kvshare sets itself; users may not pass them in engineArgs.
+ENGINE_MANAGED_FLAGS: dict[str, tuple[str, ...]] = {
+    "vllm": (
+        "--model",
+        "--port",
+        "--host",
+        "--tensor-parallel-size",
+        "-tp",
+        "--gpu-memory-utilization",
+        "--kv-cache-memory",
+        "--num-gpu-blocks-override",
+    ),
+    "sglang": (
+        "--model-path",
+        "--model",
+        "--port",
+        "--host",
+        "--tp-size",
+        "--tp",
+        "--mem-fraction-static",
+        "--max-total-tokens",
+    ),
+}
+_ALL_MANAGED_FLAGS = tuple(sorted({f for flags in ENGINE_MANAGED_FLAGS.values() for f in flags}))
+
+_BYTES_PER_PARAMETER: dict[str, float] = {
+    "bfloat16": 2,
+    "float16": 2,
+    "float32": 4,
+    "fp8": 1,
+}
+_PARAMETER_SCALE = {"K": 10**3, "M": 10**6, "B": 10**9, "T": 10**12}
+_PARAMETERS_PATTERN = r"^[0-9]+(\.[0-9]+)?[KMBT]$"
+#: Activations, CUDA context and allocator slack on top of the weights, per worker.
+_STATIC_OVERHEAD_BYTES = 2 * 2**30
+_STATIC_OVERHEAD_FACTOR = 1.1
+
+
+# A Kubernetes object name (RFC 1123 subdomain).
+_Name = Annotated[
+    str, StringConstraints(max_length=253, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
+]
+
+
+def _cel_quantity(expr: str) -> str:
+    return f"quantity(string({expr}))"
+
+
+class KVCacheSpec(KubeModel):
+    """How much KV-cache memory each worker is guaranteed, may grow to, and gives back."""
+
+    model_config = KubeModel.model_config | {
+        "json_schema_extra": cel_rules(
+            CelRule(
+                rule=(
+                    "!has(self.max) || "
+                    f"{_cel_quantity('self.min')}.compareTo({_cel_quantity('self.max')}) <= 0"
+                ),
+                message_expression=(
+                    "'kvCache.min (' + string(self.min) + ') exceeds kvCache.max ('"
+                    " + string(self.max) + ')'"
+                ),
+                field_path=".min",
+            )
+        )
+    }
+
+    min: ByteQuantity
+    """KV-cache bytes per worker guaranteed at admission; the replica is only placed where
+    static memory plus this fits on every one of its GPUs."""
+    max: ByteQuantity | None = None
+    """Cap on KV-cache bytes per worker; unset means as much as the GPU can lend."""
+    priority: int = Field(default=100, ge=0, le=1000)
+    """Under contention, workers with lower priority give memory back first (0-1000)."""
+
+    @model_validator(mode="after")
+    def _min_within_max(self) -> KVCacheSpec:
+        if self.max is not None and self.min > self.max:
+            raise ValueError(
+                f"kvCache.min ({format_bytes(self.min)}) exceeds kvCache.max "
+                f"({format_bytes(self.max)})"
+            )
+        return self
+
+
+class ModelServerSpec(KubeModel):
+    """What to serve, with which engine, and how much GPU memory each worker needs."""
+
+    model_config = KubeModel.model_config | {
+        "json_schema_extra": cel_rules(
+            CelRule(
+                rule="has(self.staticMemory) || has(self.modelParameters)",
+                message_expression=(
+                    "'set staticMemory (GPU memory per worker for weights and activations, "
+                    "e.g. 18Gi) or modelParameters (e.g. 8B) so kvshare can place the model'"
+                ),
+                reason="FieldValueRequired",
+            ),
+            CelRule(
+                rule=(
+                    "!self.engineArgs.exists(a, "
+                    + " || ".join(f"a == '{f}' || a.startsWith('{f}=')" for f in _ALL_MANAGED_FLAGS)
+                    + ")"
+                ),
+                message_expression=(
+                    "'engineArgs may not set flags kvshare manages ("
+                    + ", ".join(_ALL_MANAGED_FLAGS)
+                    + "); use the ModelServer fields instead'"
+                ),
+                field_path=".engineArgs",
+                reason="FieldValueForbidden",
+            ),
+            CelRule(
+                rule="!self.colocateWith.exists(n, n in self.avoidColocationWith)",
+                message_expression=(
+                    "'a ModelServer cannot be both in colocateWith and avoidColocationWith'"
+                ),
+                field_path=".colocateWith",
+            ),
+        )
+    }
+
+    engine: Engine
+    """Serving engine: vllm or sglang."""
+    engine_version: str | None = Field(
+        default=None, pattern=r"^[0-9]+\.[0-9]+(\.[0-9]+)?([.+-][0-9A-Za-z.]+)?$", max_length=64
+    )
+    """Engine version inside the image (e.g. 0.33.0); when unset, read from the image tag."""
+    image: str = Field(min_length=1, max_length=1024)
+    """Container image of the engine (e.g. vllm/vllm-openai:v0.33.0)."""
+    model: str = Field(min_length=1, max_length=1024)
+    """Model to serve: a Hugging Face id or a path inside the image."""
+    engine_args: list[Annotated[str, StringConstraints(max_length=512)]] = Field(
+        default=[], max_length=128
+    )
+    """Extra engine command-line arguments, passed through unchanged."""
+    env: list[EnvVar] = Field(default=[], max_length=128)
+    """Extra environment variables for the engine container (e.g. HF_TOKEN from a Secret)."""
+    replicas: int = Field(default=1, ge=0, le=1024)
+    """Number of replicas, each a pod with tensorParallelSize GPUs."""
+    tensor_parallel_size: Literal[1, 2, 4, 8] = 1
+    """GPUs per replica, all on one node; each GPU runs one worker."""
+    static_memory: ByteQuantity | None = None
+    """GPU memory per worker outside the KV cache (weights, activations, CUDA context)."""
+    model_parameters: str | None = Field(default=None, pattern=_PARAMETERS_PATTERN, max_length=16)
+    """Parameter count (e.g. 8B, 0.5B); estimates staticMemory when that is unset."""
+    dtype: DType = "bfloat16"
+    """Weight data type, used with modelParameters to estimate staticMemory."""
+    kv_cache: KVCacheSpec
+    """Elastic KV-cache policy per worker."""
+    port: int = Field(default=8000, ge=1, le=65535)
+    """Port the engine serves HTTP on."""
+    resources: ResourceRequirements = Field(default=ResourceRequirements())
+    """CPU and host memory for the engine container (GPU resources are set by kvshare)."""
+    node_selector: dict[str, str] = Field(default={}, max_length=64)
+    """Only nodes with all of these labels are considered."""
+    tolerations: list[Toleration] = Field(default=[], max_length=64)
+    """Taints this ModelServer tolerates."""
+    colocate_with: list[_Name] = Field(default=[], max_length=32)
+    """ModelServers (same namespace) whose GPUs this one prefers to share."""
+    avoid_colocation_with: list[_Name] = Field(default=[], max_length=32)
+    """ModelServers (same namespace) this one never shares a GPU with."""
+    placement_policy: Literal["Binpack", "Spread"] = "Binpack"
+    """Binpack fills the fullest GPUs that fit first; Spread the emptiest."""
+
+    @model_validator(mode="after")
+    def _cross_field_rules(self) -> ModelServerSpec:
+        problems = []
+        if self.static_memory is None and self.model_parameters is None:
+            problems.append(
+                "set staticMemory (GPU memory per worker for weights and activations, e.g. "
+                "18Gi) or modelParameters (e.g. 8B) so kvshare can place the model"
+            )
+        managed = [
+            arg
+            for arg in self.engine_args
+            if arg in _ALL_MANAGED_FLAGS or arg.split("=", 1)[0] in _ALL_MANAGED_FLAGS
+        ]
+        if managed:
+            problems.append(
+                f"engineArgs may not set flags kvshare manages ({', '.join(managed)}); "
+                "use the ModelServer fields instead"
+            )
+        both = sorted(set(self.colocate_with) & set(self.avoid_colocation_with))
+        if both:
+            problems.append(
+                f"{', '.join(both)} cannot be both in colocateWith and avoidColocationWith"
+            )
+        for resource in (*self.resources.requests, *self.resources.limits):
+            if resource.startswith((f"{GROUP}/", "nvidia.com/")):
+                problems.append(
+                    f"resources may not name {resource}: kvshare requests GPU resources itself"
+                )
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    def static_bytes_per_worker(self) -> int:
+        """GPU memory one worker needs outside its KV cache: explicit, or estimated."""
+        if self.static_memory is not None:
+            return self.static_memory
+        assert self.model_parameters is not None  # guaranteed by _cross_field_rules
+        parameters = float(self.model_parameters[:-1]) * _PARAMETER_SCALE[self.model_parameters[-1]]
+        weights = parameters * _BYTES_PER_PARAMETER[self.dtype] / self.tensor_parallel_size
+        estimate = int(weights * _STATIC_OVERHEAD_FACTOR) + _STATIC_OVERHEAD_BYTES
+        # Round up to whole MiB so the estimate prints as a clean quantity.
+        return -(-estimate // 2**20) * 2**20
+
+    def gpu_memory_units_per_replica(self) -> int:
+        """Units of ``kvshare.io/gpu-memory`` (GiB, rounded up) one replica requests."""
+        per_worker = self.static_bytes_per_worker() + self.kv_cache.min
+        return self.tensor_parallel_size * -(-per_worker // GPU_MEMORY_UNIT_BYTES)
+
+
+class ReplicaPlacement(KubeModel):
+    """Where one replica runs."""
+
+    replica: int = Field(ge=0)
+    """Replica index."""
+    pod: str = Field(max_length=253)
+    """Pod name."""
+    node: str = Field(max_length=253)
+    """Node the pod is pinned to."""
+    gpus: list[str] = Field(default=[], max_length=8)
+    """UUIDs of the replica's GPUs, in rank order."""
+
+
+class KVUsage(KubeModel):
+    """KV-cache memory across all workers of a ModelServer, as the node agents report it."""
+
+    min: ByteQuantity = 0
+    """Sum of guaranteed minimums."""
+    lease: ByteQuantity = 0
+    """Sum of leases the brokers currently grant."""
+    mapped: ByteQuantity = 0
+    """Sum of physically mapped KV bytes."""
+    used: ByteQuantity = 0
+    """Sum of KV bytes holding live blocks."""
+
+
+class ModelServerStatus(KubeModel):
+    """What the operator observed and decided, in Kubernetes condition conventions."""
+
+    phase: Phase = "Pending"
+    """Pending, Unschedulable, Starting, Ready or Degraded."""
+    observed_generation: int | None = Field(default=None, ge=0)
+    """The .metadata.generation this status reflects."""
+    replicas: int = Field(default=0, ge=0)
+    """Replicas that exist (pods created)."""
+    ready_replicas: int = Field(default=0, ge=0)
+    """Replicas whose engine answers its health check."""
+    ready: str = "0/0"
+    """Ready over desired replicas, for `kubectl get ms`."""
+    conditions: list[Condition] = Field(default=[], max_length=16)
+    """Placed, Ready, Progressing and Degraded, with reasons."""
+    placements: list[ReplicaPlacement] = Field(default=[], max_length=1024)
+    """Node and GPUs of each replica."""
+    kv: KVUsage = Field(default=KVUsage())
+    """KV-cache memory in use, aggregated from KVShareNodes."""
+    endpoint: str | None = None
+    """URL of the ModelServer's Service."""

@@ -1,0 +1,1 @@
+"""The node agent: GPU inventory, kubelet device plugin, memory broker, metrics."""

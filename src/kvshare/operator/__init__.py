@@ -1,0 +1,1 @@
+"""The cluster operator: ModelServer resources placed onto shared GPUs."""

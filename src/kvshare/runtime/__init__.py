@@ -1,0 +1,1 @@
+"""The per-worker KV pool that lives inside every model-server process."""

@@ -1,0 +1,160 @@
+"""The generated CRDs are valid apiextensions/v1 objects with structural schemas, and
+they accept and refuse the same ModelServers as the Python models, with the same words."""
+
+from __future__ import annotations
+
+import copy
+import re
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from kvshare.api.crds import all_crds, crds_yaml
+from kvshare.api.kube import SpecError, validate
+from kvshare.api.modelserver import ModelServerSpec
+from tests.k8s_schema import admit, structural_problems
+
+ROOT = Path(__file__).resolve().parents[2]
+MODELSERVER_CRD, KVSHARENODE_CRD = all_crds()
+
+
+def readme_modelservers() -> list[dict[str, Any]]:
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    blocks = re.findall(r"```yaml\n(.*?)```", text, flags=re.S)
+    docs = [yaml.safe_load(block) for block in blocks]
+    return [d for d in docs if isinstance(d, dict) and d.get("kind") == "ModelServer"]
+
+
+def example_modelservers() -> list[dict[str, Any]]:
+    return [yaml.safe_load(p.read_text()) for p in sorted((ROOT / "examples").glob("*.yaml"))]
+
+
+def qwen_example() -> dict[str, Any]:
+    return dict(yaml.safe_load((ROOT / "examples" / "qwen-7b-vllm.yaml").read_text()))
+
+
+@pytest.mark.parametrize("crd", all_crds(), ids=lambda c: c["metadata"]["name"])
+@pytest.mark.parametrize("version", ["1.30", "1.31", "1.32", "1.33", "1.34"])
+def test_crd_is_a_valid_apiextensions_v1_object(crd: dict[str, Any], version: str) -> None:
+    kubernetes_validate.validate(crd, version, strict=True)
+
+
+@pytest.mark.parametrize("crd", all_crds(), ids=lambda c: c["metadata"]["name"])
+def test_crd_schema_is_structural(crd: dict[str, Any]) -> None:
+    (version,) = crd["spec"]["versions"]
+    assert structural_problems(version["schema"]["openAPIV3Schema"]) == []
+    assert version["subresources"] == {"status": {}}
+
+
+def test_crds_print_as_two_yaml_documents() -> None:
+    docs = [d for d in yaml.safe_load_all(crds_yaml()) if d]
+    assert [d["spec"]["names"]["kind"] for d in docs] == ["ModelServer", "KVShareNode"]
+    assert docs[0]["spec"]["names"]["shortNames"] == ["ms"]
+    assert docs[1]["spec"]["scope"] == "Cluster"
+
+
+def test_printer_columns_point_at_fields_the_schema_has() -> None:
+    for crd in all_crds():
+        (version,) = crd["spec"]["versions"]
+        schema = version["schema"]["openAPIV3Schema"]
+        for column in version["additionalPrinterColumns"]:
+            node = schema
+            for part in column["jsonPath"].strip(".").split("."):
+                if part == "metadata":
+                    break
+                node = node["properties"][part]
+
+
+def test_readme_and_examples_are_accepted_by_the_crd_and_the_model() -> None:
+    objects = readme_modelservers() + example_modelservers()
+    assert len(readme_modelservers()) >= 1
+    for obj in objects:
+        assert admit(MODELSERVER_CRD, obj) == []
+        validate(ModelServerSpec, obj["spec"])
+
+
+def _with(obj: dict[str, Any], path: str, value: Any) -> dict[str, Any]:
+    out = copy.deepcopy(obj)
+    node = out
+    *parents, last = path.split(".")
+    for part in parents:
+        node = node[part]
+    if value is _DELETE:
+        del node[last]
+    else:
+        node[last] = value
+    return out
+
+
+_DELETE = object()
+
+# (change to the example, what the API server says, what the Python model says)
+INVALID = [
+    (
+        ("spec.kvCache", {"min": "50Gi", "max": "40Gi"}),
+        "kvCache.min (50Gi) exceeds kvCache.max (40Gi)",
+        "kvCache: kvCache.min (50Gi) exceeds kvCache.max (40Gi)",
+    ),
+    (
+        ("spec.staticMemory", _DELETE),
+        "set staticMemory (GPU memory per worker for weights and activations, e.g. 18Gi) or "
+        "modelParameters (e.g. 8B) so kvshare can place the model",
+        "set staticMemory",
+    ),
+    (
+        ("spec.engineArgs", ["--tensor-parallel-size=2"]),
+        "engineArgs may not set flags kvshare manages",
+        "engineArgs may not set flags kvshare manages (--tensor-parallel-size=2)",
+    ),
+    (("spec.engine", "tgi"), "spec.engine: 'tgi' is not one of ['vllm', 'sglang']", "engine: "),
+    (("spec.tensorParallelSize", 3), "spec.tensorParallelSize: 3 is not one of", "tensorParallel"),
+    (("spec.staticMemory", "18GB"), "spec.staticMemory: '18GB' does not match", "staticMemory: "),
+    (("spec.replicas", -1), "spec.replicas: -1 is less than the minimum of 0", "replicas: "),
+]
+
+
+@pytest.mark.parametrize(("change", "server_says", "model_says"), INVALID)
+def test_invalid_modelservers_fail_in_the_crd_and_the_model_alike(
+    change: tuple[str, Any], server_says: str, model_says: str
+) -> None:
+    obj = _with(qwen_example(), *change)
+    found = admit(MODELSERVER_CRD, obj)
+    assert len(found) == 1 and found[0].startswith(server_says), found
+    with pytest.raises(SpecError) as info:
+        validate(ModelServerSpec, obj["spec"])
+    assert any(p.startswith(model_says) for p in info.value.problems), info.value.problems
+
+
+def test_cel_rule_accepts_min_equal_to_max_in_different_units() -> None:
+    obj = _with(qwen_example(), "spec.kvCache", {"min": "1Gi", "max": 2**30})
+    assert admit(MODELSERVER_CRD, obj) == []
+
+
+def test_kvsharenode_example_status_is_accepted() -> None:
+    node = {
+        "apiVersion": "kvshare.io/v1alpha1",
+        "kind": "KVShareNode",
+        "metadata": {"name": "gpu-node-1"},
+        "spec": {"nodeName": "gpu-node-1"},
+        "status": {
+            "backend": "host",
+            "gpuCount": 1,
+            "poolCount": 1,
+            "free": "50Gi",
+            "gpus": [
+                {
+                    "uuid": "GPU-0",
+                    "index": 0,
+                    "total": "80Gi",
+                    "static": "20Gi",
+                    "kvMin": "10Gi",
+                    "free": "50Gi",
+                    "pools": [{"namespace": "llm", "pod": "qwen-7b-0", "kvMin": "10Gi"}],
+                }
+            ],
+        },
+    }
+    assert admit(KVSHARENODE_CRD, node) == []

@@ -1,0 +1,109 @@
+"""ModelServer specs validate with messages a user can act on."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from kvshare.api.kube import SpecError, validate
+from kvshare.api.modelserver import ModelServerSpec
+
+GIB = 2**30
+
+
+def spec(**overrides: Any) -> dict[str, Any]:
+    base: dict[str, Any] = {
+        "engine": "vllm",
+        "image": "vllm/vllm-openai:v0.33.0",
+        "model": "Qwen/Qwen2.5-7B-Instruct",
+        "staticMemory": "18Gi",
+        "kvCache": {"min": "4Gi", "max": "40Gi"},
+    }
+    base.update(overrides)
+    return base
+
+
+def problems(obj: dict[str, Any]) -> list[str]:
+    with pytest.raises(SpecError) as info:
+        validate(ModelServerSpec, obj, kind="ModelServer spec")
+    return info.value.problems
+
+
+def test_valid_spec_parses_quantities_and_applies_defaults() -> None:
+    parsed = validate(ModelServerSpec, spec())
+    assert parsed.static_memory == 18 * GIB
+    assert parsed.kv_cache.min == 4 * GIB
+    assert parsed.kv_cache.priority == 100
+    assert parsed.replicas == 1
+    assert parsed.placement_policy == "Binpack"
+    assert parsed.to_wire()["kvCache"] == {"min": "4Gi", "max": "40Gi", "priority": 100}
+
+
+def test_min_above_max_names_both_values() -> None:
+    assert problems(spec(kvCache={"min": "50Gi", "max": "40Gi"})) == [
+        "kvCache: kvCache.min (50Gi) exceeds kvCache.max (40Gi)"
+    ]
+
+
+def test_bad_quantity_names_the_field() -> None:
+    found = problems(spec(kvCache={"min": "4GB"}))
+    assert len(found) == 1
+    assert found[0].startswith("kvCache.min: ")
+    assert "'4GB' is not a valid quantity" in found[0]
+
+
+def test_missing_and_unknown_fields_are_listed_together() -> None:
+    obj = spec(replicaz=2)
+    del obj["image"]
+    assert sorted(problems(obj)) == ["image is required", "replicaz is not a known field"]
+
+
+def test_static_memory_or_parameters_is_required() -> None:
+    obj = spec()
+    del obj["staticMemory"]
+    (found,) = problems(obj)
+    assert "set staticMemory" in found and "modelParameters" in found
+
+
+def test_static_memory_is_estimated_from_parameters() -> None:
+    obj = spec(modelParameters="70B", tensorParallelSize=4)
+    del obj["staticMemory"]
+    parsed = validate(ModelServerSpec, obj)
+    # 70e9 params x 2 bytes / 4 GPUs x 1.1 + 2 GiB, rounded up to MiB.
+    expected = int(70e9 * 2 / 4 * 1.1) + 2 * GIB
+    assert 0 <= parsed.static_bytes_per_worker() - expected < 2**20
+    assert parsed.gpu_memory_units_per_replica() == 4 * -(
+        -(parsed.static_bytes_per_worker() + 4 * GIB) // GIB
+    )
+
+
+def test_engine_args_may_not_override_managed_flags() -> None:
+    (found,) = problems(
+        spec(engineArgs=["--max-model-len", "8192", "--gpu-memory-utilization=0.9"])
+    )
+    assert found.startswith(
+        "engineArgs may not set flags kvshare manages (--gpu-memory-utilization=0.9)"
+    )
+
+
+def test_resources_may_not_name_gpus() -> None:
+    (found,) = problems(spec(resources={"limits": {"nvidia.com/gpu": 1}}))
+    assert "resources may not name nvidia.com/gpu" in found
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ({"engine": "tgi"}, "engine: Input should be 'vllm' or 'sglang'"),
+        ({"tensorParallelSize": 3}, "tensorParallelSize: Input should be 1, 2, 4 or 8"),
+        ({"replicas": -1}, "replicas: Input should be greater than or equal to 0"),
+        ({"port": 70000}, "port: Input should be less than or equal to 65535"),
+        ({"kvCache": {"min": "1Gi", "priority": 5000}}, "kvCache.priority: Input should be less"),
+        ({"colocateWith": ["a"], "avoidColocationWith": ["a"]}, "a cannot be both in colocateWith"),
+        ({"colocateWith": ["Bad_Name"]}, "colocateWith[0]: String should match pattern"),
+    ],
+)
+def test_field_rules_are_explained(override: dict[str, Any], expected: str) -> None:
+    (found,) = problems(spec(**override))
+    assert found.startswith(expected)
