@@ -11,7 +11,7 @@ LOCK   := requirements/dev.lock
 DEV_STAMP  := $(VENV)/.dev-installed
 DEMO_STAMP := $(VENV)/.demo-installed
 
-.PHONY: help venv test lint format bench demo docs clean
+.PHONY: help venv test lint format bench demo gpu-check docs clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -e 's/:.*## /\t/'
@@ -45,8 +45,14 @@ format: $(DEV_STAMP)  ## apply ruff's fixes and formatting
 bench: $(DEV_STAMP)  ## run every benchmark and rewrite BENCHMARKS.md
 	$(PY) bench/run.py --all --write BENCHMARKS.md
 
-demo:  ## the elastic-vs-static demo on this machine (no GPU, no cluster)
-	@echo "kvshare demo is not built yet: there is no demo program to run." >&2; exit 1
+demo: $(DEMO_STAMP)  ## the elastic-vs-static demo on this machine (no GPU, no cluster)
+	$(VENV)/bin/kvshare demo
+
+# The GPU check runs with the GPU machine's own Python and its CUDA build of PyTorch (the
+# dev venv pins a CPU build); kvshare itself comes from src/.
+GPU_PYTHON ?= python3
+gpu-check:  ## on an NVIDIA GPU machine with PyTorch: GPU tests, page costs, decode, broker
+	PYTHONPATH=src $(GPU_PYTHON) bench/gpu_check.py --write BENCHMARKS.md
 
 docs: $(DEV_STAMP)  ## regenerate the README's generated tables
 	$(PY) tools/update_readme.py

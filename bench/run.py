@@ -65,14 +65,25 @@ def main(argv: list[str] | None = None) -> int:
     names = available() if args.all else args.names
     if not names:
         parser.error("name a benchmark or pass --all")
+    missing = [name for name in BENCHMARKS if name not in available()] if args.all else []
+    if missing:
+        print(f"not present in this checkout, skipped: {', '.join(missing)}")
     results = []
     for name in names:
         result: Result = load(name).run(quick=args.quick)
         results.append(result)
         print_table(result)
+    print(f"\nran: {', '.join(r.name for r in results)}")
     if args.write:
         command = "python bench/run.py --all" + (" --quick" if args.quick else "")
-        write_report(Path(args.write), results, machine=machine(), date=today(), command=command)
+        write_report(
+            Path(args.write),
+            results,
+            machine=machine(),
+            date=today(),
+            command=command,
+            missing=missing,
+        )
         print(f"\nwrote {args.write}")
     if args.json:
         payloads = [

@@ -20,6 +20,7 @@ from kvshare.api import env
 #: name -> (module implementing it, one-line help). Order is the order `--help` shows.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "crds": ("kvshare.api.crds_cli", "print the CustomResourceDefinitions as YAML"),
+    "demo": ("kvshare.demo.cli", "static partitions vs elastic KV caches, live, on this machine"),
     "version": ("kvshare.version_cli", "print the kvshare version"),
 }
 

@@ -304,6 +304,19 @@ class EngineSim:
                 still.append(entry)
         self._running = still
 
+    def waits(self) -> tuple[list[float], list[float]]:
+        """Queueing delay and arrival time of every arrived request.
+
+        Requests never admitted so far count with the time they have waited until now.
+        """
+        waits = list(self.stats.waits_s)
+        arrivals = list(self.stats.wait_arrivals_s)
+        for request in self._waiting:
+            if request.rid not in self._admitted:
+                waits.append(max(0.0, self.clock - request.arrival_s))
+                arrivals.append(request.arrival_s)
+        return waits, arrivals
+
     def close(self) -> None:
         """Free every block the engine holds (running requests and the prefix cache)."""
         for entry in self._running:

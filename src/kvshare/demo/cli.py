@@ -1,0 +1,141 @@
+"""``kvshare demo``: static partitions against elastic KV caches, on this machine.
+
+Starts the node agent with a fake GPU (host memory) and, for each model, one simulated
+model server per world (static partitions and elastic), runs the same bursty trace in
+both at once, shows them live, and ends with a per-model summary and a plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from kvshare.api import names
+from kvshare.api.quantity import QuantityError, parse_bytes
+
+if TYPE_CHECKING:
+    from kvshare.demo.orchestrator import DemoOptions
+
+GIB = 2**30
+_DEFAULTS = {"duration": 40.0, "models": 3, "gpu_memory": 4 * GIB}
+
+
+def _gpu_memory(raw: str) -> int:
+    try:
+        return parse_bytes(raw, field="--gpu-memory")
+    except QuantityError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--duration", type=float, help="seconds of trace to run in both worlds (default 40)"
+    )
+    parser.add_argument(
+        "--models", type=int, help="number of models sharing the GPU, at least 3 (default 3)"
+    )
+    parser.add_argument(
+        "--gpu-memory",
+        type=_gpu_memory,
+        metavar="QUANTITY",
+        help="KV memory of the fake GPU, e.g. 4Gi (default 4Gi)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of the generated trace")
+    parser.add_argument(
+        "--trace",
+        type=Path,
+        metavar="FILE",
+        help="run this trace file (written as trace.json by an earlier run) instead of "
+        "generating one; it fixes duration, models and GPU memory",
+    )
+    parser.add_argument(
+        "--output",
+        type=Path,
+        default=Path("out/demo"),
+        metavar="DIR",
+        help="where the plot, results.json, trace.json and logs go (default out/demo)",
+    )
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=names.METRICS_PORT,
+        help=f"port of the node agent's metrics (default {names.METRICS_PORT}; "
+        "a free one when taken)",
+    )
+    parser.add_argument(
+        "--plain", action="store_true", help="print progress lines instead of the live view"
+    )
+
+
+def _options(args: argparse.Namespace) -> DemoOptions:
+    from kvshare.demo.orchestrator import DemoOptions
+
+    given = {k: getattr(args, k) for k in _DEFAULTS if getattr(args, k) is not None}
+    if args.trace is not None and given:
+        flags = ", ".join("--" + k.replace("_", "-") for k in given)
+        raise ValueError(f"{flags} cannot be combined with --trace: the trace file fixes them")
+    values = {**_DEFAULTS, **given}
+    if int(values["models"]) < 3:
+        raise ValueError(f"--models must be at least 3, got {values['models']}")
+    if not float(values["duration"]) > 0:
+        raise ValueError(f"--duration must be > 0, got {values['duration']}")
+    return DemoOptions(
+        duration_s=float(values["duration"]),
+        models=int(values["models"]),
+        gpu_memory_bytes=int(values["gpu_memory"]),
+        seed=args.seed,
+        trace_file=args.trace,
+        output=args.output,
+        metrics_port=args.metrics_port,
+        live=not args.plain,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvshare.demo.orchestrator import DemoError, run_demo, summary_table
+    from kvshare.demo.plot import write_plot
+    from kvshare.demo.trace import TraceError, phases
+
+    out = sys.stdout
+    try:
+        options = _options(args)
+        outcome = run_demo(options, out)
+    except (ValueError, TraceError, DemoError) as exc:
+        print(f"kvshare demo: {exc}", file=sys.stderr)
+        return 1
+    config = outcome.trace.config
+    comparison = outcome.comparison
+    plot = write_plot(
+        options.output / "kvshare-demo.png",
+        outcome.results,
+        comparison,
+        phases(config),
+        gpu_bytes=config.gpu_memory_bytes,
+        duration_s=config.duration_s,
+    )
+    outcome.plot = plot
+    lines = [
+        "",
+        f"Same trace ({len(outcome.trace.requests)} requests, {config.models} models, "
+        f"{config.duration_s:g} s), same {config.gpu_memory_bytes / GIB:g} GiB GPU:",
+        "",
+        *summary_table(comparison),
+        f"Elastic served {comparison.elastic.served} requests, static {comparison.static.served}"
+        f": x{comparison.ratio:.2f}. p95 queueing delay {comparison.static.p95_wait_s:.2f} s "
+        f"-> {comparison.elastic.p95_wait_s:.2f} s.",
+        f"Memory books: {outcome.broker_checks} broker snapshots and every pool sample "
+        f"checked, {len(outcome.broker_violations) + len(outcome.pool_violations)} "
+        "over-commitments.",
+        f"Plot:    {plot}",
+        f"Results: {outcome.summary} (trace: {options.output / 'trace.json'}, rerun it "
+        "with --trace)",
+        f"Metrics were served at {outcome.metrics_url} (wall time {outcome.wall_s:.0f} s).",
+    ]
+    for problem in outcome.problems:
+        lines.append(f"PROBLEM: {problem}")
+    for violation in [*outcome.broker_violations, *outcome.pool_violations][:10]:
+        lines.append(f"OVER-COMMITTED at {violation.t:.2f} s: {violation.what}")
+    out.write("\n".join(lines) + "\n")
+    return 0 if outcome.ok else 1

@@ -1,0 +1,564 @@
+"""Runs the demo: the node agent and one process per simulated model server, twice over.
+
+The same trace runs at the same time in two worlds of the same size:
+
+- **static partitions** — each model's pool has a fixed lease of an equal share of the
+  GPU (what ``--gpu-memory-utilization`` gives a model today);
+- **elastic (kvshare)** — each model's pool is leased by the node agent's broker, which
+  lends the GPU's memory to whoever needs it and reclaims it under contention.
+
+The orchestrator starts ``kvshare node --fake-gpus 1x<GPU>`` as a child (the broker, and
+the Prometheus endpoint on :9400 or a free port), then ``2 x models`` server processes
+(:mod:`kvshare.demo.server`), waits until every pool is up, gives them one common start
+instant, and collects their samples while the live view shows them. Throughout, it scrapes
+the node agent's metrics and checks the broker's books: the leases on the GPU never sum
+to more than its memory. At the end it checks every server's counts against the trace,
+prints the comparison, writes ``results.json`` and the PNG into the output folder.
+
+It imports neither the runtime nor the node agent: it talks to both through their real
+interfaces (processes, pipes, the broker's socket path, the metrics endpoint).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import logging
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import IO, Any, TextIO
+
+from kvshare.api import names
+from kvshare.api.quantity import format_bytes
+from kvshare.demo import trace as trace_mod
+from kvshare.demo.stats import (
+    MODES,
+    BookViolation,
+    Comparison,
+    Mode,
+    Sample,
+    ServerResult,
+    check_consistency,
+    check_pool_books,
+    compare,
+    sample_from_message,
+)
+from kvshare.demo.view import LiveView
+
+__all__ = ["DemoError", "DemoOptions", "DemoOutcome", "run_demo"]
+
+log = logging.getLogger(__name__)
+
+GIB = 2**30
+#: Seconds allowed for the node agent and every server to come up.
+STARTUP_TIMEOUT_S = 90.0
+#: Seconds allowed past the trace's end for the servers to report.
+FINISH_GRACE_S = 30.0
+_PR_SET_PDEATHSIG = 1
+
+
+class DemoError(RuntimeError):
+    """The demo could not run; the message says what failed and where its log is."""
+
+
+@dataclass(frozen=True)
+class DemoOptions:
+    """What ``kvshare demo`` (and the ``elastic`` benchmark) run."""
+
+    duration_s: float = 40.0
+    models: int = 3
+    gpu_memory_bytes: int = 4 * GIB
+    seed: int = 0
+    trace_file: Path | None = None
+    output: Path = Path("out/demo")
+    metrics_port: int = names.METRICS_PORT
+    live: bool = True
+    sample_s: float = 0.25
+    #: Share of the GPU each elastic pool is guaranteed (kvCache.min), of an equal share.
+    elastic_min_fraction: float = 0.0
+
+    def trace(self) -> trace_mod.Trace:
+        """The trace to run: loaded from ``trace_file`` or generated from the options."""
+        if self.trace_file is not None:
+            return trace_mod.load(self.trace_file)
+        config = trace_mod.TraceConfig(
+            seed=self.seed,
+            duration_s=self.duration_s,
+            models=self.models,
+            gpu_memory_bytes=self.gpu_memory_bytes,
+        )
+        return trace_mod.generate(config)
+
+
+@dataclass
+class DemoOutcome:
+    """Everything a run produced."""
+
+    trace: trace_mod.Trace
+    results: list[ServerResult]
+    comparison: Comparison
+    pool_violations: list[BookViolation]
+    broker_violations: list[BookViolation]
+    problems: list[str]
+    metrics_url: str
+    broker_checks: int
+    plot: Path | None = None
+    summary: Path | None = None
+    wall_s: float = 0.0
+    budget_series: list[tuple[float, int]] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        """No over-commitment and counts consistent with the trace."""
+        return not (self.pool_violations or self.broker_violations or self.problems)
+
+
+# --- child processes ------------------------------------------------------------------
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: get SIGTERM when the orchestrator dies."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+@dataclass
+class _Child:
+    name: str
+    process: subprocess.Popen[str]
+    log_path: Path
+
+    def log_tail(self, lines: int = 15) -> str:
+        try:
+            text = self.log_path.read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        if self.process.stdin is not None:
+            with contextlib.suppress(OSError):
+                self.process.stdin.close()
+        try:
+            self.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+def _spawn(
+    name: str, argv: list[str], log_path: Path, env: dict[str, str], *, pipes: bool
+) -> _Child:
+    log_file = log_path.open("w", encoding="utf-8")
+    try:
+        process = subprocess.Popen(
+            argv,
+            stdin=subprocess.PIPE if pipes else subprocess.DEVNULL,
+            stdout=subprocess.PIPE if pipes else log_file,
+            stderr=log_file,
+            env=env,
+            text=True,
+            preexec_fn=_die_with_parent,  # noqa: PLW1509 - only a prctl call, no locks
+        )
+    finally:
+        log_file.close()
+    return _Child(name, process, log_path)
+
+
+def _read_lines(key: tuple[Mode, int], stream: IO[str], out: queue.Queue[Any]) -> None:
+    """Reader thread: one per server; puts ``(key, message)`` and ``(key, None)`` at EOF."""
+    for line in stream:
+        try:
+            out.put((key, json.loads(line)))
+        except json.JSONDecodeError:
+            out.put((key, {"kind": "error", "message": f"unreadable line {line[:200]!r}"}))
+    out.put((key, None))
+
+
+# --- the node agent -------------------------------------------------------------------
+
+
+def pick_metrics_port(preferred: int) -> tuple[int, bool]:
+    """``preferred`` if it is free on this host, else a free port; and whether it moved.
+
+    ``preferred`` 0 asks for any free port (not a move).
+    """
+    for port in dict.fromkeys((preferred, 0)):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+            chosen: int = probe.getsockname()[1]
+            return chosen, preferred not in (0, chosen)
+    raise DemoError("no free TCP port for the metrics endpoint")
+
+
+@dataclass
+class _NodeAgent:
+    """``kvshare node`` with one fake GPU, its broker socket and its metrics endpoint."""
+
+    child: _Child
+    broker_socket: Path
+    metrics_url: str
+
+    @classmethod
+    def start(
+        cls, run_dir: Path, gpu_bytes: int, metrics_port: int, env: dict[str, str]
+    ) -> _NodeAgent:
+        broker = run_dir / names.BROKER_SOCKET_NAME
+        argv = [
+            sys.executable,
+            "-m",
+            "kvshare.cli",
+            "node",
+            "--fake-gpus",
+            f"1x{format_bytes(gpu_bytes)}",
+            "--run-dir",
+            str(run_dir),
+            "--metrics-port",
+            str(metrics_port),
+            "--headroom",
+            "0",
+            "--no-device-plugin",
+            "--no-publish",
+        ]
+        child = _spawn("node agent", argv, run_dir / "node.log", env, pipes=False)
+        return cls(child, broker, f"http://127.0.0.1:{metrics_port}/metrics")
+
+    def wait_ready(self, deadline: float) -> None:
+        while time.monotonic() < deadline:
+            if self.child.process.poll() is not None:
+                raise DemoError(
+                    f"the node agent exited with status {self.child.process.returncode}:\n"
+                    f"{self.child.log_tail()}"
+                )
+            if self.broker_socket.exists() and scrape(self.metrics_url) is not None:
+                return
+            time.sleep(0.1)
+        raise DemoError(f"the node agent did not come up in time:\n{self.child.log_tail()}")
+
+    def stop(self) -> None:
+        if self.child.process.poll() is None:
+            self.child.process.send_signal(signal.SIGTERM)
+        self.child.stop()
+
+
+def scrape(url: str, timeout_s: float = 2.0) -> str | None:
+    """The metrics text at ``url``, or None when it does not answer."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+            body: bytes = response.read()
+            return body.decode("utf-8")
+    except (urllib.error.URLError, OSError):
+        return None
+
+
+def broker_books(text: str) -> list[tuple[str, int, int]]:
+    """Per GPU in the metrics text: ``(gpu, sum of pool leases, GPU memory)``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    leases: dict[str, float] = {}
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            gpu = sample.labels.get("gpu", "")
+            if sample.name == "kvshare_pool_kv_lease_bytes":
+                leases[gpu] = leases.get(gpu, 0.0) + sample.value
+            elif sample.name == "kvshare_gpu_memory_total_bytes":
+                totals[gpu] = sample.value
+    return [(gpu, int(leases.get(gpu, 0)), int(total)) for gpu, total in totals.items()]
+
+
+# --- the run --------------------------------------------------------------------------
+
+
+def _server_env(
+    base: dict[str, str], node: _NodeAgent, model: int, gpu_bytes: int, kv_min: int
+) -> dict[str, str]:
+    return {
+        **base,
+        "KVSHARE_BROKER_SOCKET": str(node.broker_socket),
+        "KVSHARE_POD_NAMESPACE": "kvshare-demo",
+        "KVSHARE_POD_NAME": f"model-{model}-elastic",
+        "KVSHARE_POD_UID": str(uuid.uuid4()),
+        "KVSHARE_MODELSERVER": f"model-{model}",
+        "KVSHARE_KV_MIN": str(kv_min),
+        "KVSHARE_KV_MAX": str(gpu_bytes),
+        "KVSHARE_KV_PRIORITY": "100",
+        "KVSHARE_STATIC_BYTES": "0",
+    }
+
+
+def _child_env() -> dict[str, str]:
+    env = dict(os.environ)  # the children inherit the caller's settings (log level, paths)
+    src = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+@contextlib.contextmanager
+def _children() -> Iterator[list[_Child]]:
+    started: list[_Child] = []
+    try:
+        yield started
+    finally:
+        for child in reversed(started):
+            with contextlib.suppress(Exception):
+                child.stop()
+
+
+def run_demo(options: DemoOptions, stream: TextIO = sys.stdout) -> DemoOutcome:
+    """Run both worlds on one trace and return what happened (see the module doc)."""
+    began = time.monotonic()
+    trace = options.trace()
+    config = trace.config
+    output = options.output
+    output.mkdir(parents=True, exist_ok=True)
+    trace_path = output / "trace.json"
+    trace_mod.save(trace, trace_path)
+    port, moved = pick_metrics_port(options.metrics_port)
+    if moved:
+        stream.write(f"port {options.metrics_port} is taken: metrics are served on :{port}\n")
+    share = config.gpu_memory_bytes // config.models
+    kv_min = int(share * options.elastic_min_fraction)
+    # Unix socket paths must stay short (< 108 bytes): sockets live in a short temp dir.
+    run_dir = Path(_short_tempdir())
+    base_env = _child_env()
+    messages: queue.Queue[Any] = queue.Queue()
+    with _children() as started:
+        node = _NodeAgent.start(run_dir, config.gpu_memory_bytes, port, base_env)
+        started.append(node.child)
+        node.wait_ready(time.monotonic() + STARTUP_TIMEOUT_S)
+        servers: dict[tuple[Mode, int], _Child] = {}
+        for mode in MODES:
+            for model in range(config.models):
+                argv = [
+                    sys.executable,
+                    "-m",
+                    "kvshare.demo.server",
+                    "--trace",
+                    str(trace_path),
+                    "--model",
+                    str(model),
+                    "--mode",
+                    mode,
+                    "--sample-s",
+                    str(options.sample_s),
+                ]
+                env = base_env
+                if mode == "static":
+                    argv += ["--share-bytes", str(share)]
+                else:
+                    env = _server_env(base_env, node, model, config.gpu_memory_bytes, kv_min)
+                log_path = output / f"server-{mode}-{model}.log"
+                child = _spawn(f"{mode} model-{model}", argv, log_path, env, pipes=True)
+                started.append(child)
+                servers[(mode, model)] = child
+                assert child.process.stdout is not None
+                threading.Thread(
+                    target=_read_lines,
+                    args=((mode, model), child.process.stdout, messages),
+                    daemon=True,
+                ).start()
+        view = LiveView(
+            stream,
+            duration_s=config.duration_s,
+            gpu_bytes=config.gpu_memory_bytes,
+            models=config.models,
+            interactive=None if options.live else False,
+        )
+        run = _Run(options, trace, node, servers, messages, view)
+        run.wait_ready()
+        run.collect(run.start())
+        outcome = run.outcome()
+    outcome.wall_s = time.monotonic() - began
+    outcome.summary = output / "results.json"
+    _write_results(outcome, outcome.summary)
+    return outcome
+
+
+def _short_tempdir() -> str:
+    import tempfile
+
+    return tempfile.mkdtemp(prefix="kvs-demo-", dir="/tmp")
+
+
+@dataclass
+class _Run:
+    """The live part of one run: the servers' messages, the view, the broker's books.
+
+    Owned by the orchestrator's main thread; reader threads only put into ``messages``.
+    """
+
+    options: DemoOptions
+    trace: trace_mod.Trace
+    node: _NodeAgent
+    servers: dict[tuple[Mode, int], _Child]
+    messages: queue.Queue[Any]
+    view: LiveView
+    samples: dict[tuple[Mode, int], list[Sample]] = field(default_factory=dict)
+    latest: dict[tuple[Mode, int], Sample] = field(default_factory=dict)
+    results: dict[tuple[Mode, int], ServerResult] = field(default_factory=dict)
+    broker_violations: list[BookViolation] = field(default_factory=list)
+    budget_series: list[tuple[float, int]] = field(default_factory=list)
+    checks: int = 0
+
+    def fail(self, key: tuple[Mode, int], why: str) -> DemoError:
+        child = self.servers[key]
+        return DemoError(
+            f"{child.name} failed: {why}\nlast lines of {child.log_path}:\n{child.log_tail()}"
+        )
+
+    def wait_ready(self) -> None:
+        """Block until every server's pool is up."""
+        ready: set[tuple[Mode, int]] = set()
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while len(ready) < len(self.servers):
+            try:
+                key, message = self.messages.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                late = ", ".join(self.servers[k].name for k in self.servers if k not in ready)
+                raise DemoError(f"timed out waiting for {late} to start") from None
+            if message is None or message.get("kind") == "error":
+                raise self.fail(key, (message or {}).get("message", "exited during start-up"))
+            if message.get("kind") == "ready":
+                ready.add(key)
+
+    def start(self) -> float:
+        """Give every server the same start instant; returns it."""
+        start = time.monotonic() + 0.2
+        for child in self.servers.values():
+            assert child.process.stdin is not None
+            child.process.stdin.write(json.dumps({"start": start}) + "\n")
+            child.process.stdin.flush()
+        self.samples = {key: [] for key in self.servers}
+        return start
+
+    def check_broker(self, start: float) -> None:
+        """One snapshot of the broker's books from its metrics."""
+        text = scrape(self.node.metrics_url)
+        if text is None:
+            return
+        self.checks += 1
+        t = round(time.monotonic() - start, 3)
+        for gpu, leased, total in broker_books(text):
+            self.budget_series.append((t, leased))
+            if leased > total:
+                self.broker_violations.append(
+                    BookViolation(t, f"GPU {gpu}: leases sum to {leased} > {total} bytes")
+                )
+
+    def handle(self, key: tuple[Mode, int], message: dict[str, Any] | None) -> None:
+        if message is None:
+            if key not in self.results:
+                raise self.fail(key, "exited before reporting its result")
+            return
+        kind = message.get("kind")
+        if kind == "sample":
+            sample = sample_from_message(message)
+            self.samples[key].append(sample)
+            self.latest[key] = sample
+        elif kind == "result":
+            self.results[key] = ServerResult.from_message(message, self.samples[key])
+        elif kind == "error":
+            raise self.fail(key, message.get("message", "unknown error"))
+
+    def collect(self, start: float) -> None:
+        """Until every server has reported: messages, broker checks, the live view."""
+        config = self.trace.config
+        footer = [f"metrics: {self.node.metrics_url}   output: {self.options.output}/"]
+        next_scrape = next_view = 0.0
+        deadline = start + config.duration_s + FINISH_GRACE_S
+        while len(self.results) < len(self.servers):
+            now = time.monotonic()
+            if now >= next_scrape:
+                self.check_broker(start)
+                next_scrape = now + 0.5
+            if now >= next_view:
+                self.view.update(max(0.0, now - start), self.latest, footer)
+                next_view = now + 0.25
+            try:
+                key, message = self.messages.get(timeout=0.1)
+            except queue.Empty:
+                if time.monotonic() > deadline:
+                    late = [self.servers[k].name for k in self.servers if k not in self.results]
+                    raise DemoError(f"no result from {', '.join(late)} in time") from None
+                continue
+            self.handle(key, message)
+        self.view.update(config.duration_s, self.latest, footer)
+
+    def outcome(self) -> DemoOutcome:
+        keys = sorted(self.results, key=lambda k: (MODES.index(k[0]), k[1]))
+        ordered = [self.results[key] for key in keys]
+        return DemoOutcome(
+            trace=self.trace,
+            results=ordered,
+            comparison=compare(ordered),
+            pool_violations=check_pool_books(ordered),
+            broker_violations=self.broker_violations,
+            problems=[p for r in ordered for p in check_consistency(r)],
+            metrics_url=self.node.metrics_url,
+            broker_checks=self.checks,
+            budget_series=self.budget_series,
+        )
+
+
+def _write_results(outcome: DemoOutcome, path: Path) -> None:
+    payload = {
+        "trace": asdict(outcome.trace.config),
+        "ratio": outcome.comparison.ratio,
+        "per_model": [asdict(s) for s in outcome.comparison.per_model],
+        "static": asdict(outcome.comparison.static),
+        "elastic": asdict(outcome.comparison.elastic),
+        "pool_violations": [asdict(v) for v in outcome.pool_violations],
+        "broker_violations": [asdict(v) for v in outcome.broker_violations],
+        "broker_checks": outcome.broker_checks,
+        "problems": outcome.problems,
+        "wall_s": outcome.wall_s,
+    }
+    path.write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
+
+
+def summary_table(comparison: Comparison) -> list[str]:
+    """The end-of-run table, per model and in total, both modes."""
+    header = (
+        f"{'run':<8} {'model':<8} {'served':>7} {'offered':>7} {'p50 wait':>9} "
+        f"{'p95 wait':>9} {'peak KV':>9} {'mean KV':>9} {'preempt':>7} {'reclaims':>8}"
+    )
+    lines = [header, "-" * len(header)]
+    rows: Sequence[Any] = [
+        *[s for s in comparison.per_model if s.mode == "static"],
+        comparison.static,
+        *[s for s in comparison.per_model if s.mode == "elastic"],
+        comparison.elastic,
+    ]
+    for row in rows:
+        model = "total" if row.model is None else f"model-{row.model}"
+        lines.append(
+            f"{row.mode:<8} {model:<8} {row.served:>7} {row.offered:>7} "
+            f"{row.p50_wait_s:>8.2f}s {row.p95_wait_s:>8.2f}s "
+            f"{row.peak_held / GIB:>5.2f} GiB {row.mean_held / GIB:>5.2f} GiB "
+            f"{row.preemptions:>7} {row.reclaims:>8}"
+        )
+        if row.model is None:
+            lines.append("")
+    return lines
