@@ -542,7 +542,8 @@ def summary_table(comparison: Comparison) -> list[str]:
     """The end-of-run table, per model and in total, both modes."""
     header = (
         f"{'run':<8} {'model':<8} {'served':>7} {'offered':>7} {'p50 wait':>9} "
-        f"{'p95 wait':>9} {'peak KV':>9} {'mean KV':>9} {'preempt':>7} {'reclaims':>8}"
+        f"{'p95 wait':>9} {'peak KV':>9} {'mean KV':>9} {'mean used':>9} {'preempt':>7} "
+        f"{'reclaims':>8}"
     )
     lines = [header, "-" * len(header)]
     rows: Sequence[Any] = [
@@ -556,7 +557,8 @@ def summary_table(comparison: Comparison) -> list[str]:
         lines.append(
             f"{row.mode:<8} {model:<8} {row.served:>7} {row.offered:>7} "
             f"{row.p50_wait_s:>8.2f}s {row.p95_wait_s:>8.2f}s "
-            f"{row.peak_held / GIB:>5.2f} GiB {row.mean_held / GIB:>5.2f} GiB "
+            f"{row.peak_kv / GIB:>5.2f} GiB {row.mean_kv / GIB:>5.2f} GiB "
+            f"{row.mean_used / GIB:>5.2f} GiB "
             f"{row.preemptions:>7} {row.reclaims:>8}"
         )
         if row.model is None:

@@ -1,7 +1,8 @@
 """The demo's picture: KV memory per model over time, static against elastic, and delays.
 
-Three panels share the time axis: the memory each model's pool holds under static
-partitions (stacked), the same under elastic sharing, and every request's queueing delay
+Three panels share the time axis: the KV memory each model holds (its lease: what it
+may map and nobody else may use) under static partitions, stacked, the same under
+elastic sharing with what the pools actually mapped as a line, and every request's queueing delay
 against its arrival time in both runs. Each model's busy windows are shaded in its
 colour, so it is visible who needed memory when, and who got it.
 """
@@ -38,15 +39,15 @@ def write_plot(
     colours = [plt.get_cmap("tab10")(i % 10) for i in range(max(models, default=0) + 1)]
     fig, axes = plt.subplots(3, 1, figsize=(11, 9), sharex=True)
     titles = {
-        "static": "static partitions: KV memory held per model (equal shares)",
-        "elastic": "elastic (kvshare broker): KV memory held per model",
+        "static": "static partitions: KV memory per model (equal shares; line: mapped)",
+        "elastic": "elastic (kvshare broker): KV memory leased per model (line: mapped)",
     }
     for ax, mode in zip(axes[:2], MODES, strict=True):
         mine = sorted((r for r in results if r.mode == mode), key=lambda r: r.model)
         _shade_busy(ax, phases, colours)
         if mine and mine[0].samples:
             times = [s.t for s in mine[0].samples]
-            stacks = [_held_on(r, times) for r in mine]
+            stacks = [_on(r, times, "lease") for r in mine]
             ax.stackplot(
                 times,
                 stacks,
@@ -54,12 +55,14 @@ def write_plot(
                 colors=[colours[r.model] for r in mine],
                 alpha=0.85,
             )
+            mapped = [sum(v) for v in zip(*(_on(r, times, "held") for r in mine), strict=True)]
+            ax.plot(times, mapped, color="black", linewidth=1, label="mapped (all models)")
         ax.axhline(gpu_bytes / _GIB, color="black", linestyle="--", linewidth=1)
         ax.text(0, gpu_bytes / _GIB, " GPU", va="bottom", fontsize=8)
         ax.set_ylim(0, gpu_bytes / _GIB * 1.12)
         ax.set_ylabel("GiB")
         ax.set_title(titles[mode], fontsize=10, loc="left")
-        ax.legend(loc="upper right", fontsize=8, ncol=len(mine) or 1)
+        ax.legend(loc="upper right", fontsize=8, ncol=len(mine) + 1)
 
     ax = axes[2]
     _shade_busy(ax, phases, colours)
@@ -95,16 +98,16 @@ def write_plot(
     return path
 
 
-def _held_on(result: ServerResult, times: Sequence[float]) -> list[float]:
-    """The result's held GiB at each of ``times`` (latest sample at or before it)."""
+def _on(result: ServerResult, times: Sequence[float], what: str) -> list[float]:
+    """GiB of sample field ``what`` at each of ``times`` (latest sample at or before it)."""
     values = []
     index = 0
     samples = result.samples
     for t in times:
         while index + 1 < len(samples) and samples[index + 1].t <= t:
             index += 1
-        held = samples[index].held if samples and samples[index].t <= t else 0
-        values.append(held / _GIB)
+        size = getattr(samples[index], what) if samples and samples[index].t <= t else 0
+        values.append(size / _GIB)
     return values
 
 

@@ -145,9 +145,8 @@ class StampedBlocks:
 
     def __init__(self, pool: KVPool) -> None:
         self._pool = pool
-        words = pool.geometry.block_bytes // 8
-        self._stride = words
-        self._words: torch.Tensor = pool.tensor(0).view(dtype=_int64())
+        # Buffer 0 as (num_blocks, block_bytes // 8) words: word 0 of each block is its stamp.
+        self._words: torch.Tensor = pool.tensor(0)[0].view(dtype=_int64())
         self._owner: dict[int, int] = {}
         self._next = 1
 
@@ -159,7 +158,7 @@ class StampedBlocks:
             for block in got:
                 if block in self._owner:
                     raise AssertionError(f"block {block} handed out twice")
-                self._words[block * self._stride] = stamp
+                self._words[block, 0] = stamp
                 self._owner[block] = stamp
         return got
 
@@ -169,7 +168,7 @@ class StampedBlocks:
             stamp = self._owner.pop(block, None)
             if stamp is None:
                 raise AssertionError(f"block {block} freed but not allocated")
-            found = int(self._words[block * self._stride])
+            found = int(self._words[block, 0])
             if found != stamp:
                 raise AssertionError(f"block {block} holds {found}, not its stamp {stamp}")
         self._pool.free(blocks)

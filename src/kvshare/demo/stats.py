@@ -4,6 +4,11 @@ A server sends :class:`Sample` records while it runs and one :class:`ServerResul
 end, as JSON lines on its stdout. Everything here is pure: the orchestrator feeds it what
 the servers said, and the summary, the live view, the plot and the benchmark read it.
 
+A model's *KV memory* is its lease: the memory it may map and no other model may use
+(its whole partition under static partitioning, what the broker lends it when elastic).
+What its pool has actually mapped is ``held`` (never above the lease) and the part of that
+holding blocks is ``used``.
+
 Queueing delay is the time from a request's arrival to its first admission. Requests
 still queued when the run ends count with the time they have waited so far (a lower
 bound), so a long queue cannot hide from the percentiles.
@@ -113,8 +118,9 @@ class ModelSummary:
     served: int
     p50_wait_s: float
     p95_wait_s: float
-    peak_held: int
-    mean_held: float
+    peak_kv: int
+    """Highest lease, in bytes (for a total: of the sum of the leases)."""
+    mean_kv: float
     mean_used: float
     preemptions: int
     reclaims: int
@@ -127,7 +133,7 @@ def _mean(values: Iterable[float]) -> float:
 
 def summarize(result: ServerResult) -> ModelSummary:
     """The per-model line of the summary."""
-    held = [s.held for s in result.samples]
+    leases = [s.lease for s in result.samples]
     return ModelSummary(
         mode=result.mode,
         model=result.model,
@@ -136,16 +142,16 @@ def summarize(result: ServerResult) -> ModelSummary:
         served=result.served,
         p50_wait_s=percentile(result.waits_s, 50),
         p95_wait_s=percentile(result.waits_s, 95),
-        peak_held=max(held, default=0),
-        mean_held=_mean(held),
+        peak_kv=max(leases, default=0),
+        mean_kv=_mean(leases),
         mean_used=_mean(s.used for s in result.samples),
         preemptions=result.preemptions,
         reclaims=result.reclaims,
     )
 
 
-def total_held_series(results: Sequence[ServerResult]) -> list[tuple[float, int]]:
-    """Sum of the servers' held bytes over time, on the first server's sample times.
+def total_kv_series(results: Sequence[ServerResult]) -> list[tuple[float, int]]:
+    """Sum of the servers' leases over time, on the first server's sample times.
 
     Each server's value at time ``t`` is its latest sample at or before ``t``.
     """
@@ -162,7 +168,7 @@ def total_held_series(results: Sequence[ServerResult]) -> list[tuple[float, int]
             ):
                 cursors[i] += 1
             if result.samples and result.samples[cursors[i]].t <= sample.t:
-                total += result.samples[cursors[i]].held
+                total += result.samples[cursors[i]].lease
         series.append((sample.t, total))
     return series
 
@@ -171,7 +177,7 @@ def summarize_all(mode: Mode, results: Sequence[ServerResult]) -> ModelSummary:
     """The total line of one mode: counts summed, delays pooled over every request."""
     mine = [r for r in results if r.mode == mode]
     waits = [w for r in mine for w in r.waits_s]
-    totals = [held for _, held in total_held_series(mine)]
+    totals = [kv for _, kv in total_kv_series(mine)]
     return ModelSummary(
         mode=mode,
         model=None,
@@ -180,8 +186,8 @@ def summarize_all(mode: Mode, results: Sequence[ServerResult]) -> ModelSummary:
         served=sum(r.served for r in mine),
         p50_wait_s=percentile(waits, 50),
         p95_wait_s=percentile(waits, 95),
-        peak_held=max(totals, default=0),
-        mean_held=_mean(totals),
+        peak_kv=max(totals, default=0),
+        mean_kv=_mean(totals),
         mean_used=sum(summarize(r).mean_used for r in mine),
         preemptions=sum(r.preemptions for r in mine),
         reclaims=sum(r.reclaims for r in mine),
@@ -221,13 +227,25 @@ class BookViolation:
 
 
 def check_pool_books(results: Sequence[ServerResult]) -> list[BookViolation]:
-    """Every sample where a pool held more than its lease allowed."""
-    return [
-        BookViolation(s.t, f"{r.mode} model {r.model} held {s.held} bytes over its lease {s.lease}")
-        for r in results
-        for s in r.samples
-        if s.held > s.lease
-    ]
+    """Every sample where a pool grew above its lease.
+
+    A pool may hold more than a lease that was just lowered (it shrinks lazily, as its
+    blocks are freed, and the broker keeps that memory booked until the pool has given it
+    back), but it must never *grow* while it is over its lease.
+    """
+    violations = []
+    for r in results:
+        before = 0
+        for s in r.samples:
+            if s.held > s.lease and s.held > before:
+                violations.append(
+                    BookViolation(
+                        s.t,
+                        f"{r.mode} model {r.model} grew to {s.held} bytes over its lease {s.lease}",
+                    )
+                )
+            before = s.held
+    return violations
 
 
 def check_consistency(result: ServerResult) -> list[str]:

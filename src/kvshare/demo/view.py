@@ -2,7 +2,7 @@
 
 On a TTY the view rewrites its last frame (ANSI cursor-up and clear), so the table stays
 put while the numbers move: progress, and for each model in each run the requests served,
-the queue, and the KV memory its pool holds as a bar on the scale of the GPU. When the
+the queue, and the KV memory it holds (its lease) as a bar on the scale of the GPU. When the
 output is a pipe or a file it prints one line per run every few seconds instead.
 """
 
@@ -34,8 +34,8 @@ def _cells(sample: Sample | None, scale: float) -> str:
     if sample is None:
         return f"{'-':>6} {'-':>6}  {'·' * _BAR} {'starting':>9}"
     return (
-        f"{sample.served:>6} {sample.waiting:>6}  {_bar(sample.held, scale)} "
-        f"{format_gib(sample.held):>9}"
+        f"{sample.served:>6} {sample.waiting:>6}  {_bar(sample.lease, scale)} "
+        f"{format_gib(sample.lease):>9}"
     )
 
 
@@ -56,7 +56,9 @@ def render_frame(
         f"{duration_s:.0f} s   each run: {models} models on one {format_gib(gpu_bytes)} GPU",
         "",
         (f"{'':<9}" + "".join(f"{_TITLES[m]:<44}" for m in MODES)).rstrip(),
-        (f"{'model':<9}" + f"{'served':>6} {'queued':>6}  {'KV memory held':<26}   " * 2).rstrip(),
+        (
+            f"{'model':<9}" + f"{'served':>6} {'queued':>6}  {'KV memory (lease)':<26}   " * 2
+        ).rstrip(),
     ]
     for model in range(models):
         row = f"model-{model:<3}"
@@ -69,7 +71,7 @@ def render_frame(
         if samples:
             served = sum(s.served for s in samples)
             queued = sum(s.waiting for s in samples)
-            held = sum(s.held for s in samples)
+            held = sum(s.lease for s in samples)
             total += f"{served:>6} {queued:>6}  {_bar(held, gpu_bytes)} {format_gib(held):>9}   "
         else:
             total += _cells(None, gpu_bytes) + "   "
@@ -85,7 +87,7 @@ def render_line(elapsed_s: float, models: int, latest: Mapping[tuple[Mode, int],
         if not samples:
             parts.append(f"{mode}: starting")
             continue
-        held = " ".join(format_gib(s.held).replace(" GiB", "") for s in samples)
+        held = " ".join(format_gib(s.lease).replace(" GiB", "") for s in samples)
         parts.append(
             f"{mode}: served {sum(s.served for s in samples)}, queued "
             f"{sum(s.waiting for s in samples)}, KV GiB per model {held}"
