@@ -58,7 +58,7 @@ from kvshare.demo.stats import (
 )
 from kvshare.demo.view import LiveView
 
-__all__ = ["DemoError", "DemoOptions", "DemoOutcome", "run_demo"]
+__all__ = ["DemoError", "DemoOptions", "DemoOutcome", "NodeAgent", "pick_metrics_port", "run_demo"]
 
 log = logging.getLogger(__name__)
 
@@ -212,7 +212,7 @@ def pick_metrics_port(preferred: int) -> tuple[int, bool]:
 
 
 @dataclass
-class _NodeAgent:
+class NodeAgent:
     """``kvshare node`` with one fake GPU, its broker socket and its metrics endpoint."""
 
     child: _Child
@@ -222,7 +222,7 @@ class _NodeAgent:
     @classmethod
     def start(
         cls, run_dir: Path, gpu_bytes: int, metrics_port: int, env: dict[str, str]
-    ) -> _NodeAgent:
+    ) -> NodeAgent:
         broker = run_dir / names.BROKER_SOCKET_NAME
         argv = [
             sys.executable,
@@ -242,6 +242,30 @@ class _NodeAgent:
         ]
         child = _spawn("node agent", argv, run_dir / "node.log", env, pipes=False)
         return cls(child, broker, f"http://127.0.0.1:{metrics_port}/metrics")
+
+    def gpu_uuid(self) -> str:
+        """The UUID of the agent's (single) fake GPU, as its metrics label it."""
+        text = scrape(self.metrics_url)
+        books = broker_books(text) if text is not None else []
+        if not books:
+            raise DemoError(f"the node agent's metrics name no GPU:\n{self.child.log_tail()}")
+        return books[0][0]
+
+    def pool_env(self, pod: str, *, kv_max: int, kv_min: int = 0) -> dict[str, str]:
+        """The ``KVSHARE_*`` environment of a pool leased by this agent's broker (what the
+        operator and the device plugin give a model-server pod)."""
+        return {
+            "KVSHARE_BROKER_SOCKET": str(self.broker_socket),
+            "KVSHARE_GPU_UUIDS": self.gpu_uuid(),
+            "KVSHARE_POD_NAMESPACE": "kvshare-demo",
+            "KVSHARE_POD_NAME": pod,
+            "KVSHARE_POD_UID": str(uuid.uuid4()),
+            "KVSHARE_MODELSERVER": pod,
+            "KVSHARE_KV_MIN": str(kv_min),
+            "KVSHARE_KV_MAX": str(kv_max),
+            "KVSHARE_KV_PRIORITY": "100",
+            "KVSHARE_STATIC_BYTES": "0",
+        }
 
     def wait_ready(self, deadline: float) -> None:
         while time.monotonic() < deadline:
@@ -290,23 +314,6 @@ def broker_books(text: str) -> list[tuple[str, int, int]]:
 # --- the run --------------------------------------------------------------------------
 
 
-def _server_env(
-    base: dict[str, str], node: _NodeAgent, model: int, gpu_bytes: int, kv_min: int
-) -> dict[str, str]:
-    return {
-        **base,
-        "KVSHARE_BROKER_SOCKET": str(node.broker_socket),
-        "KVSHARE_POD_NAMESPACE": "kvshare-demo",
-        "KVSHARE_POD_NAME": f"model-{model}-elastic",
-        "KVSHARE_POD_UID": str(uuid.uuid4()),
-        "KVSHARE_MODELSERVER": f"model-{model}",
-        "KVSHARE_KV_MIN": str(kv_min),
-        "KVSHARE_KV_MAX": str(gpu_bytes),
-        "KVSHARE_KV_PRIORITY": "100",
-        "KVSHARE_STATIC_BYTES": "0",
-    }
-
-
 def _child_env() -> dict[str, str]:
     env = dict(os.environ)  # the children inherit the caller's settings (log level, paths)
     src = str(Path(__file__).resolve().parents[2])
@@ -345,7 +352,7 @@ def run_demo(options: DemoOptions, stream: TextIO = sys.stdout) -> DemoOutcome:
     base_env = _child_env()
     messages: queue.Queue[Any] = queue.Queue()
     with _children() as started:
-        node = _NodeAgent.start(run_dir, config.gpu_memory_bytes, port, base_env)
+        node = NodeAgent.start(run_dir, config.gpu_memory_bytes, port, base_env)
         started.append(node.child)
         node.wait_ready(time.monotonic() + STARTUP_TIMEOUT_S)
         servers: dict[tuple[Mode, int], _Child] = {}
@@ -368,7 +375,11 @@ def run_demo(options: DemoOptions, stream: TextIO = sys.stdout) -> DemoOutcome:
                 if mode == "static":
                     argv += ["--share-bytes", str(share)]
                 else:
-                    env = _server_env(base_env, node, model, config.gpu_memory_bytes, kv_min)
+                    pod = f"model-{model}"
+                    env = {
+                        **base_env,
+                        **node.pool_env(pod, kv_max=config.gpu_memory_bytes, kv_min=kv_min),
+                    }
                 log_path = output / f"server-{mode}-{model}.log"
                 child = _spawn(f"{mode} model-{model}", argv, log_path, env, pipes=True)
                 started.append(child)
@@ -411,7 +422,7 @@ class _Run:
 
     options: DemoOptions
     trace: trace_mod.Trace
-    node: _NodeAgent
+    node: NodeAgent
     servers: dict[tuple[Mode, int], _Child]
     messages: queue.Queue[Any]
     view: LiveView
