@@ -165,3 +165,27 @@ def test_advance_takes_every_step_due_and_no_more(pools: list[KVPool]) -> None:
     assert sim.advance(0.1) == 5
     assert sim.advance(0.1) == 0
     assert sim.clock == pytest.approx(0.1)
+
+
+def test_no_admission_while_the_pool_gives_memory_back_but_running_requests_grow(
+    pools: list[KVPool],
+) -> None:
+    open_ = {"now": True}
+    pool = make_pool(40)
+    pools.append(pool)
+    sim = EngineSim(
+        [req(0, 30, 40), req(1, 30, 40, arrival=0.1)],
+        pool,
+        block_tokens=BLOCK_TOKENS,
+        step_s=STEP_S,
+        admission_open=lambda: open_["now"],
+    )
+    sim.step()
+    open_["now"] = False
+    for _ in range(30):
+        sim.step()
+    assert sim.sample().running == 1 and sim.sample().waiting == 1
+    assert sim.used_blocks() == 4  # 30 + 31 tokens: grown from 2 blocks to 4
+    open_["now"] = True
+    run_to_end(sim)
+    assert sim.stats.served == 2

@@ -20,6 +20,7 @@ def sample(held: int, served: int, waiting: int) -> Sample:
         held=held,
         used=held,
         lease=held,
+        lease_peak=held,
         preemptions=0,
         reclaims=0,
     )

@@ -5,6 +5,11 @@ The simulation does what a vLLM-style scheduler does with KV memory, and nothing
 - **Admission.** A request that has arrived waits in a FIFO queue until its prompt's KV
   blocks (plus the first output token) can be allocated; the head of the queue blocks the
   rest, as in vLLM. Its *queueing delay* is the time from arrival to first admission.
+  Admission also pauses while the pool is giving memory back (``admission_open`` says
+  no: its lease was lowered below what it holds). Otherwise new requests would keep
+  filling the free blocks of partly used pages, no page would ever empty, and the
+  reclaim that a neighbour is waiting for would never complete. Running requests still
+  grow (or are preempted), so the pool shrinks as they finish.
 - **Decode.** Every step, each running request produces one token; when its tokens cross
   a block boundary it needs one more block.
 - **Preemption.** A running request that cannot grow makes the scheduler preempt the most
@@ -34,7 +39,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -155,6 +160,7 @@ class EngineSim:
         block_tokens: int,
         step_s: float,
         max_running: int = 256,
+        admission_open: Callable[[], bool] = lambda: True,
     ) -> None:
         if block_tokens < 1 or not step_s > 0 or max_running < 1:
             raise ValueError("need block_tokens >= 1, step_s > 0 and max_running >= 1")
@@ -163,6 +169,7 @@ class EngineSim:
         self._block_tokens = block_tokens
         self.step_s = step_s
         self._max_running = max_running
+        self._admission_open = admission_open
         self.prefix_cache = PrefixCache(allocator)
         self._waiting: deque[Request] = deque()
         self._running: list[_Running] = []
@@ -198,7 +205,7 @@ class EngineSim:
             self._waiting.append(self._pending.popleft())
             self.stats.arrived += 1
         preempted = self._decode()
-        if not preempted:
+        if not preempted and self._waiting and self._admission_open():
             self._admit(now)
         self._finish()
         return self.sample()

@@ -118,7 +118,7 @@ class DemoOutcome:
     plot: Path | None = None
     summary: Path | None = None
     wall_s: float = 0.0
-    budget_series: list[tuple[float, int]] = field(default_factory=list)
+    elastic_kv_series: list[tuple[float, int]] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -351,6 +351,12 @@ def run_demo(options: DemoOptions, stream: TextIO = sys.stdout) -> DemoOutcome:
     run_dir = Path(_short_tempdir())
     base_env = _child_env()
     messages: queue.Queue[Any] = queue.Queue()
+    stream.write(
+        f"Starting the node agent (one fake {format_bytes(config.gpu_memory_bytes)} GPU) and "
+        f"{2 * config.models} model servers ({config.models} static, {config.models} elastic)"
+        "...\n"
+    )
+    stream.flush()
     with _children() as started:
         node = NodeAgent.start(run_dir, config.gpu_memory_bytes, port, base_env)
         started.append(node.child)
@@ -399,6 +405,7 @@ def run_demo(options: DemoOptions, stream: TextIO = sys.stdout) -> DemoOutcome:
         )
         run = _Run(options, trace, node, servers, messages, view)
         run.wait_ready()
+        stream.write(f"All pools up after {time.monotonic() - began:.1f} s; running.\n")
         run.collect(run.start())
         outcome = run.outcome()
     outcome.wall_s = time.monotonic() - began
@@ -430,7 +437,7 @@ class _Run:
     latest: dict[tuple[Mode, int], Sample] = field(default_factory=dict)
     results: dict[tuple[Mode, int], ServerResult] = field(default_factory=dict)
     broker_violations: list[BookViolation] = field(default_factory=list)
-    budget_series: list[tuple[float, int]] = field(default_factory=list)
+    elastic_kv_series: list[tuple[float, int]] = field(default_factory=list)
     checks: int = 0
 
     def fail(self, key: tuple[Mode, int], why: str) -> DemoError:
@@ -472,7 +479,7 @@ class _Run:
         self.checks += 1
         t = round(time.monotonic() - start, 3)
         for gpu, leased, total in broker_books(text):
-            self.budget_series.append((t, leased))
+            self.elastic_kv_series.append((t, leased))
             if leased > total:
                 self.broker_violations.append(
                     BookViolation(t, f"GPU {gpu}: leases sum to {leased} > {total} bytes")
@@ -523,13 +530,13 @@ class _Run:
         return DemoOutcome(
             trace=self.trace,
             results=ordered,
-            comparison=compare(ordered),
+            comparison=compare(ordered, self.elastic_kv_series),
             pool_violations=check_pool_books(ordered),
             broker_violations=self.broker_violations,
             problems=[p for r in ordered for p in check_consistency(r)],
             metrics_url=self.node.metrics_url,
             broker_checks=self.checks,
-            budget_series=self.budget_series,
+            elastic_kv_series=self.elastic_kv_series,
         )
 
 

@@ -24,6 +24,7 @@ status 1.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -103,6 +104,7 @@ class ReclaimCounter(LeaseSource):
         self._holder: LeaseHolder | None = None
         self._lock = threading.Lock()  # guards _last, reclaims, reclaimed_bytes
         self._last: int | None = None
+        self._peak = 0
         self.reclaims = 0
         self.reclaimed_bytes = 0
 
@@ -110,7 +112,13 @@ class ReclaimCounter(LeaseSource):
         self._holder = holder
         self._inner.attach(self)  # type: ignore[arg-type]  # we are the inner source's holder
         with self._lock:
-            self._last = self._inner.limit()
+            self._last = self._peak = self._inner.limit()
+
+    def take_peak(self) -> int:
+        """The highest lease since the last call (the current one included)."""
+        with self._lock:
+            peak, self._peak = self._peak, self._last or 0
+            return max(peak, self._peak)
 
     def lease_changed(self, limit: int) -> None:
         """Count a decrease, then pass the new limit on to the pool."""
@@ -119,6 +127,7 @@ class ReclaimCounter(LeaseSource):
                 self.reclaims += 1
                 self.reclaimed_bytes += self._last - limit
             self._last = limit
+            self._peak = max(self._peak, limit)
         if self._holder is not None:
             self._holder.lease_changed(limit)
 
@@ -174,6 +183,12 @@ class StampedBlocks:
         self._pool.free(blocks)
 
 
+def _within_lease(pool: KVPool) -> bool:
+    """Whether the pool holds no more than its lease (it is not giving memory back)."""
+    snap = pool.snapshot()
+    return snap.held <= snap.limit
+
+
 def _int64() -> Any:
     import torch
 
@@ -198,16 +213,27 @@ def _open_channel() -> _Channel:
     return _Channel(out)
 
 
-def _lease(mode: str, share_bytes: int | None) -> ReclaimCounter:
+def _lease(mode: str, share_bytes: int | None, page_bytes: int) -> ReclaimCounter:
+    """A static equal share, or the broker's lease with this pool's policy and identity
+    from the ``KVSHARE_*`` environment (as a model-server pod gets them)."""
     if mode == "static":
         from kvshare.runtime.lease import StaticLease
 
         if share_bytes is None:
             raise DemoConfigError("--mode static needs --share-bytes")
         return ReclaimCounter(StaticLease(share_bytes))
-    from kvshare.runtime.leases import lease_from_env
+    from kvshare.runtime.broker_client import BrokerLease, PoolIdentity, PoolPolicy
+    from kvshare.runtime.leases import gpu_for_rank
 
-    return ReclaimCounter(lease_from_env())
+    policy = dataclasses.replace(PoolPolicy.from_env(), page_size=page_bytes)
+    return ReclaimCounter(
+        BrokerLease(
+            gpu_for_rank(0),
+            policy=policy,
+            identity=PoolIdentity.from_env(engine="kvshare-demo"),
+            chunk_bytes=LEASE_CHUNK_BYTES,
+        )
+    )
 
 
 def _wait_for_start(stdin: IO[str]) -> float:
@@ -226,9 +252,10 @@ def serve(args: argparse.Namespace, channel: _Channel) -> None:
     config = trace.config
     requests = trace.for_model(args.model)
     backend = open_backend("host")
-    lease = _lease(args.mode, args.share_bytes)
+    geometry = demo_geometry(config, backend.granularity)
+    lease = _lease(args.mode, args.share_bytes, geometry.page_bytes)
     pool = KVPool(
-        demo_geometry(config, backend.granularity),
+        geometry,
         backend,
         lease,
         lease_chunk_bytes=LEASE_CHUNK_BYTES,
@@ -236,7 +263,11 @@ def serve(args: argparse.Namespace, channel: _Channel) -> None:
     )
     try:
         engine = EngineSim(
-            requests, StampedBlocks(pool), block_tokens=config.block_tokens, step_s=config.step_s
+            requests,
+            StampedBlocks(pool),
+            block_tokens=config.block_tokens,
+            step_s=config.step_s,
+            admission_open=lambda: _within_lease(pool),
         )
         pool.set_evictor(engine.prefix_cache)
         channel.send(json.dumps({"kind": "ready", "model": args.model, "mode": args.mode}))
@@ -275,6 +306,7 @@ class _Clock:
     sample_s: float
 
     def sample(self) -> Sample:
+        peak = self.lease.take_peak()
         snap = self.pool.snapshot()
         state = self.engine.sample()
         return Sample(
@@ -286,6 +318,7 @@ class _Clock:
             held=snap.held,
             used=snap.used,
             lease=snap.lease,
+            lease_peak=max(peak, snap.lease),
             preemptions=self.engine.stats.preemptions,
             reclaims=self.lease.reclaims,
         )
