@@ -148,19 +148,35 @@ class _Child:
             return ""
         return "\n".join(text.splitlines()[-lines:])
 
-    def stop(self, timeout_s: float = 10.0) -> None:
+    def request_stop(self) -> None:
+        """Ask the process to finish: close its stdin (servers) or SIGTERM (the agent)."""
         if self.process.stdin is not None:
             with contextlib.suppress(OSError):
                 self.process.stdin.close()
+        elif self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+
+    def wait_stopped(self, deadline: float) -> None:
+        """Wait for the process until ``deadline``, then terminate it, then kill it."""
         try:
-            self.process.wait(timeout=timeout_s)
+            self.process.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
+            log.warning("%s did not stop in time; terminating it", self.name)
             self.process.terminate()
             try:
                 self.process.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+
+
+def _stop_all(children: Sequence[_Child], timeout_s: float = 15.0) -> None:
+    """Stop every child, all at once (each is asked, then each is waited for)."""
+    for child in children:
+        child.request_stop()
+    deadline = time.monotonic() + timeout_s
+    for child in children:
+        child.wait_stopped(deadline)
 
 
 def _spawn(
@@ -280,9 +296,8 @@ class NodeAgent:
         raise DemoError(f"the node agent did not come up in time:\n{self.child.log_tail()}")
 
     def stop(self) -> None:
-        if self.child.process.poll() is None:
-            self.child.process.send_signal(signal.SIGTERM)
-        self.child.stop()
+        """SIGTERM, then wait (and terminate or kill when it does not stop)."""
+        _stop_all([self.child], timeout_s=10.0)
 
 
 def scrape(url: str, timeout_s: float = 2.0) -> str | None:
@@ -324,13 +339,14 @@ def _child_env() -> dict[str, str]:
 
 @contextlib.contextmanager
 def _children() -> Iterator[list[_Child]]:
+    """The children started inside; on the way out the servers are stopped first (they
+    leave the broker cleanly), then the node agent (started first)."""
     started: list[_Child] = []
     try:
         yield started
     finally:
-        for child in reversed(started):
-            with contextlib.suppress(Exception):
-                child.stop()
+        _stop_all(started[1:])
+        _stop_all(started[:1])
 
 
 def run_demo(options: DemoOptions, stream: TextIO = sys.stdout) -> DemoOutcome:
@@ -552,8 +568,10 @@ def _write_results(outcome: DemoOutcome, path: Path) -> None:
         "broker_checks": outcome.broker_checks,
         "problems": outcome.problems,
         "wall_s": outcome.wall_s,
+        "elastic_kv_series": outcome.elastic_kv_series,
+        "servers": [asdict(r) for r in outcome.results],
     }
-    path.write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
+    path.write_text(json.dumps(payload) + "\n", encoding="utf-8")
 
 
 def summary_table(comparison: Comparison) -> list[str]:
