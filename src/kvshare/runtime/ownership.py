@@ -34,8 +34,10 @@ class Ownership(ABC):
     """How a pool's page operations reach the memory of a tensor-parallel group."""
 
     mode: ClassVar[str]
-    rank: int
+    rank: int | None
+    """This process's tensor-parallel rank; ``None`` for an owner that is none of the ranks."""
     world_size: int
+    """The real tensor-parallel size (identity, listener set-up, metrics)."""
 
     @abstractmethod
     def open_mapper(
