@@ -94,48 +94,12 @@ def _options(args: argparse.Namespace) -> DemoOptions:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvshare.demo.orchestrator import DemoError, run_demo, summary_table
-    from kvshare.demo.plot import write_plot
-    from kvshare.demo.trace import TraceError, phases
+    from kvshare.demo.orchestrator import DemoError, run_demo
+    from kvshare.demo.trace import TraceError
 
-    out = sys.stdout
     try:
-        options = _options(args)
-        outcome = run_demo(options, out)
+        outcome = run_demo(_options(args), sys.stdout)
     except (ValueError, TraceError, DemoError) as exc:
         print(f"kvshare demo: {exc}", file=sys.stderr)
         return 1
-    config = outcome.trace.config
-    comparison = outcome.comparison
-    plot = write_plot(
-        options.output / "kvshare-demo.png",
-        outcome.results,
-        comparison,
-        phases(config),
-        gpu_bytes=config.gpu_memory_bytes,
-        duration_s=config.duration_s,
-    )
-    outcome.plot = plot
-    lines = [
-        "",
-        f"Same trace ({len(outcome.trace.requests)} requests, {config.models} models, "
-        f"{config.duration_s:g} s), same {config.gpu_memory_bytes / GIB:g} GiB GPU:",
-        "",
-        *summary_table(comparison),
-        f"Elastic served {comparison.elastic.served} requests, static {comparison.static.served}"
-        f": x{comparison.ratio:.2f}. p95 queueing delay {comparison.static.p95_wait_s:.2f} s "
-        f"-> {comparison.elastic.p95_wait_s:.2f} s.",
-        f"Memory books: {outcome.broker_checks} broker snapshots and every pool sample "
-        f"checked, {len(outcome.broker_violations) + len(outcome.pool_violations)} "
-        "over-commitments.",
-        f"Plot:    {plot}",
-        f"Results: {outcome.summary} (trace: {options.output / 'trace.json'}, rerun it "
-        "with --trace)",
-        f"Metrics were served at {outcome.metrics_url} (wall time {outcome.wall_s:.0f} s).",
-    ]
-    for problem in outcome.problems:
-        lines.append(f"PROBLEM: {problem}")
-    for violation in [*outcome.broker_violations, *outcome.pool_violations][:10]:
-        lines.append(f"OVER-COMMITTED at {violation.t:.2f} s: {violation.what}")
-    out.write("\n".join(lines) + "\n")
     return 0 if outcome.ok else 1

@@ -11,9 +11,11 @@ The orchestrator starts ``kvshare node --fake-gpus 1x<GPU>`` as a child (the bro
 the Prometheus endpoint on :9400 or a free port), then ``2 x models`` server processes
 (:mod:`kvshare.demo.server`), waits until every pool is up, gives them one common start
 instant, and collects their samples while the live view shows them. Throughout, it scrapes
-the node agent's metrics and checks the broker's books: the leases on the GPU never sum
-to more than its memory. At the end it checks every server's counts against the trace,
-prints the comparison, writes ``results.json`` and the PNG into the output folder.
+the node agent's metrics and checks the broker's books: what it charges the pools on the
+GPU never sums to more than the GPU's memory (its headroom is 0 here, so static partitions
+and elastic pools share the same total). At the end it checks every server's counts
+against the trace, writes ``results.json`` and the PNG into the output folder, and prints
+the comparison.
 
 It imports neither the runtime nor the node agent: it talks to both through their real
 interfaces (processes, pipes, the broker's socket path, the metrics endpoint).
@@ -31,6 +33,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -86,6 +89,7 @@ class DemoOptions:
     output: Path = Path("out/demo")
     metrics_port: int = names.METRICS_PORT
     live: bool = True
+    plot: bool = True
     sample_s: float = 0.25
     #: Share of the GPU each elastic pool is guaranteed (kvCache.min), of an equal share.
     elastic_min_fraction: float = 0.0
@@ -247,15 +251,21 @@ class NodeAgent:
             "node",
             "--fake-gpus",
             f"1x{format_bytes(gpu_bytes)}",
-            "--run-dir",
-            str(run_dir),
-            "--metrics-port",
-            str(metrics_port),
+            # The whole fake GPU is KV memory: the same total as the static partitions.
             "--headroom",
             "0",
-            "--no-device-plugin",
-            "--no-publish",
+            "--node-name",
+            "kvshare-demo",
+            "--broker-socket",
+            str(broker),
+            "--metrics-address",
+            f":{metrics_port}",
+            # No cluster here: no Kubernetes API, and a kubelet directory nobody serves.
+            "--no-kube",
+            "--device-plugin-dir",
+            str(run_dir / "device-plugins"),
         ]
+        (run_dir / "device-plugins").mkdir(exist_ok=True)
         child = _spawn("node agent", argv, run_dir / "node.log", env, pipes=False)
         return cls(child, broker, f"http://127.0.0.1:{metrics_port}/metrics")
 
@@ -265,7 +275,7 @@ class NodeAgent:
         books = broker_books(text) if text is not None else []
         if not books:
             raise DemoError(f"the node agent's metrics name no GPU:\n{self.child.log_tail()}")
-        return books[0][0]
+        return books[0].gpu
 
     def pool_env(self, pod: str, *, kv_max: int, kv_min: int = 0) -> dict[str, str]:
         """The ``KVSHARE_*`` environment of a pool leased by this agent's broker (what the
@@ -290,7 +300,8 @@ class NodeAgent:
                     f"the node agent exited with status {self.child.process.returncode}:\n"
                     f"{self.child.log_tail()}"
                 )
-            if self.broker_socket.exists() and scrape(self.metrics_url) is not None:
+            text = scrape(self.metrics_url) if self.broker_socket.exists() else None
+            if text is not None and broker_books(text):
                 return
             time.sleep(0.1)
         raise DemoError(f"the node agent did not come up in time:\n{self.child.log_tail()}")
@@ -310,20 +321,44 @@ def scrape(url: str, timeout_s: float = 2.0) -> str | None:
         return None
 
 
-def broker_books(text: str) -> list[tuple[str, int, int]]:
-    """Per GPU in the metrics text: ``(gpu, sum of pool leases, GPU memory)``."""
+@dataclass(frozen=True)
+class GpuBooks:
+    """One GPU in the broker's books, from one scrape of its metrics."""
+
+    gpu: str
+    charged: int
+    """Sum over the GPU's pools of what the broker counts as taken for each (at least the
+    lease, and the old lease until a reclaim is acknowledged)."""
+    budget: int
+    """What the broker may lend: total - headroom - static footprints."""
+
+
+def broker_books(text: str) -> list[GpuBooks]:
+    """Every GPU of the node agent's metrics text, with its pools' charges summed."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    leases: dict[str, float] = {}
-    totals: dict[str, float] = {}
+    charged: dict[str, float] = {}
+    gpu_values: dict[str, dict[str, float]] = {}
+    wanted = {
+        "kvshare_gpu_memory_total_bytes": "total",
+        "kvshare_gpu_memory_headroom_bytes": "headroom",
+        "kvshare_gpu_memory_static_bytes": "static",
+    }
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             gpu = sample.labels.get("gpu", "")
-            if sample.name == "kvshare_pool_kv_lease_bytes":
-                leases[gpu] = leases.get(gpu, 0.0) + sample.value
-            elif sample.name == "kvshare_gpu_memory_total_bytes":
-                totals[gpu] = sample.value
-    return [(gpu, int(leases.get(gpu, 0)), int(total)) for gpu, total in totals.items()]
+            if sample.name == "kvshare_pool_kv_charged_bytes":
+                charged[gpu] = charged.get(gpu, 0.0) + sample.value
+            elif sample.name in wanted:
+                gpu_values.setdefault(gpu, {})[wanted[sample.name]] = sample.value
+    return [
+        GpuBooks(
+            gpu,
+            int(charged.get(gpu, 0)),
+            int(v.get("total", 0) - v.get("headroom", 0) - v.get("static", 0)),
+        )
+        for gpu, v in gpu_values.items()
+    ]
 
 
 # --- the run --------------------------------------------------------------------------
@@ -350,68 +385,49 @@ def _children() -> Iterator[list[_Child]]:
 
 
 def run_demo(options: DemoOptions, stream: TextIO = sys.stdout) -> DemoOutcome:
-    """Run both worlds on one trace and return what happened (see the module doc)."""
+    """Run both worlds on one trace and return what happened (see the module doc).
+
+    The results, the plot (``options.plot``) and the report are written before the
+    children are stopped, so the servers' pools unmap while the plot is drawn.
+    """
     began = time.monotonic()
     trace = options.trace()
     config = trace.config
-    output = options.output
-    output.mkdir(parents=True, exist_ok=True)
-    trace_path = output / "trace.json"
+    options.output.mkdir(parents=True, exist_ok=True)
+    trace_path = options.output / "trace.json"
     trace_mod.save(trace, trace_path)
     port, moved = pick_metrics_port(options.metrics_port)
     if moved:
         stream.write(f"port {options.metrics_port} is taken: metrics are served on :{port}\n")
-    share = config.gpu_memory_bytes // config.models
-    kv_min = int(share * options.elastic_min_fraction)
-    # Unix socket paths must stay short (< 108 bytes): sockets live in a short temp dir.
-    run_dir = Path(_short_tempdir())
-    base_env = _child_env()
-    messages: queue.Queue[Any] = queue.Queue()
     stream.write(
         f"Starting the node agent (one fake {format_bytes(config.gpu_memory_bytes)} GPU) and "
         f"{2 * config.models} model servers ({config.models} static, {config.models} elastic)"
         "...\n"
     )
     stream.flush()
-    with _children() as started:
-        node = NodeAgent.start(run_dir, config.gpu_memory_bytes, port, base_env)
+    messages: queue.Queue[Any] = queue.Queue()
+    # Unix socket paths must stay short (< 108 bytes): sockets live in a short temp dir.
+    with (
+        tempfile.TemporaryDirectory(prefix="kvs-demo-", dir="/tmp") as run_dir,
+        _children() as started,
+    ):
+        base_env = _child_env()
+        node = NodeAgent.start(Path(run_dir), config.gpu_memory_bytes, port, base_env)
         started.append(node.child)
+        share = config.gpu_memory_bytes // config.models
+        launch = _Launcher(options, trace_path, share, base_env, messages, started)
+        # Static servers need no broker: they import and set up while the agent starts.
+        servers: dict[tuple[Mode, int], _Child] = {
+            ("static", m): launch.server("static", m) for m in range(config.models)
+        }
         node.wait_ready(time.monotonic() + STARTUP_TIMEOUT_S)
-        servers: dict[tuple[Mode, int], _Child] = {}
-        for mode in MODES:
-            for model in range(config.models):
-                argv = [
-                    sys.executable,
-                    "-m",
-                    "kvshare.demo.server",
-                    "--trace",
-                    str(trace_path),
-                    "--model",
-                    str(model),
-                    "--mode",
-                    mode,
-                    "--sample-s",
-                    str(options.sample_s),
-                ]
-                env = base_env
-                if mode == "static":
-                    argv += ["--share-bytes", str(share)]
-                else:
-                    pod = f"model-{model}"
-                    env = {
-                        **base_env,
-                        **node.pool_env(pod, kv_max=config.gpu_memory_bytes, kv_min=kv_min),
-                    }
-                log_path = output / f"server-{mode}-{model}.log"
-                child = _spawn(f"{mode} model-{model}", argv, log_path, env, pipes=True)
-                started.append(child)
-                servers[(mode, model)] = child
-                assert child.process.stdout is not None
-                threading.Thread(
-                    target=_read_lines,
-                    args=((mode, model), child.process.stdout, messages),
-                    daemon=True,
-                ).start()
+        for model in range(config.models):
+            env = node.pool_env(
+                f"model-{model}",
+                kv_max=config.gpu_memory_bytes,
+                kv_min=int(share * options.elastic_min_fraction),
+            )
+            servers[("elastic", model)] = launch.server("elastic", model, env)
         view = LiveView(
             stream,
             duration_s=config.duration_s,
@@ -424,16 +440,60 @@ def run_demo(options: DemoOptions, stream: TextIO = sys.stdout) -> DemoOutcome:
         stream.write(f"All pools up after {time.monotonic() - began:.1f} s; running.\n")
         run.collect(run.start())
         outcome = run.outcome()
-    outcome.wall_s = time.monotonic() - began
-    outcome.summary = output / "results.json"
-    _write_results(outcome, outcome.summary)
+        outcome.summary = options.output / "results.json"
+        if options.plot:
+            outcome.plot = _plot(outcome, options.output / "kvshare-demo.png")
+        outcome.wall_s = time.monotonic() - began
+        _write_results(outcome, outcome.summary)
+        stream.write("\n".join(report_lines(outcome, options)) + "\n")
+        stream.flush()
     return outcome
 
 
-def _short_tempdir() -> str:
-    import tempfile
+@dataclass
+class _Launcher:
+    """Starts model-server processes and their reader threads."""
 
-    return tempfile.mkdtemp(prefix="kvs-demo-", dir="/tmp")
+    options: DemoOptions
+    trace_path: Path
+    static_share: int
+    base_env: dict[str, str]
+    messages: queue.Queue[Any]
+    started: list[_Child]
+
+    def server(self, mode: Mode, model: int, env: dict[str, str] | None = None) -> _Child:
+        argv = [
+            *(sys.executable, "-m", "kvshare.demo.server", "--trace", str(self.trace_path)),
+            *("--model", str(model), "--mode", mode, "--sample-s", str(self.options.sample_s)),
+        ]
+        if mode == "static":
+            argv += ["--share-bytes", str(self.static_share)]
+        log_path = self.options.output / f"server-{mode}-{model}.log"
+        child = _spawn(
+            f"{mode} model-{model}", argv, log_path, {**self.base_env, **(env or {})}, pipes=True
+        )
+        self.started.append(child)
+        assert child.process.stdout is not None
+        threading.Thread(
+            target=_read_lines,
+            args=((mode, model), child.process.stdout, self.messages),
+            daemon=True,
+        ).start()
+        return child
+
+
+def _plot(outcome: DemoOutcome, path: Path) -> Path:
+    from kvshare.demo.plot import write_plot
+
+    config = outcome.trace.config
+    return write_plot(
+        path,
+        outcome.results,
+        outcome.comparison,
+        trace_mod.phases(config),
+        gpu_bytes=config.gpu_memory_bytes,
+        duration_s=config.duration_s,
+    )
 
 
 @dataclass
@@ -494,11 +554,15 @@ class _Run:
             return
         self.checks += 1
         t = round(time.monotonic() - start, 3)
-        for gpu, leased, total in broker_books(text):
-            self.elastic_kv_series.append((t, leased))
-            if leased > total:
+        for books in broker_books(text):
+            self.elastic_kv_series.append((t, books.charged))
+            if books.charged > books.budget:
                 self.broker_violations.append(
-                    BookViolation(t, f"GPU {gpu}: leases sum to {leased} > {total} bytes")
+                    BookViolation(
+                        t,
+                        f"GPU {books.gpu}: pools charged {books.charged} bytes, over the "
+                        f"budget of {books.budget}",
+                    )
                 )
 
     def handle(self, key: tuple[Mode, int], message: dict[str, Any] | None) -> None:
@@ -599,4 +663,33 @@ def summary_table(comparison: Comparison) -> list[str]:
         )
         if row.model is None:
             lines.append("")
+    return lines
+
+
+def report_lines(outcome: DemoOutcome, options: DemoOptions) -> list[str]:
+    """What the demo prints at the end: the table, the verdict, the checks, the files."""
+    config = outcome.trace.config
+    comparison = outcome.comparison
+    violations = [*outcome.broker_violations, *outcome.pool_violations]
+    lines = [
+        "",
+        f"Same trace ({len(outcome.trace.requests)} requests, {config.models} models, "
+        f"{config.duration_s:g} s), same {config.gpu_memory_bytes / GIB:g} GiB GPU:",
+        "",
+        *summary_table(comparison),
+        f"Elastic served {comparison.elastic.served} requests, static {comparison.static.served}"
+        f": x{comparison.ratio:.2f}. p95 queueing delay {comparison.static.p95_wait_s:.2f} s "
+        f"-> {comparison.elastic.p95_wait_s:.2f} s.",
+        f"Memory books: {outcome.broker_checks} snapshots of the broker's books and every "
+        f"pool sample checked: {len(violations)} over-commitments.",
+    ]
+    if outcome.plot is not None:
+        lines.append(f"Plot:    {outcome.plot}")
+    lines += [
+        f"Results: {outcome.summary} (the trace is {options.output / 'trace.json'}; "
+        "--trace runs it again)",
+        f"Metrics were served at {outcome.metrics_url}. Wall time {outcome.wall_s:.0f} s.",
+    ]
+    lines += [f"PROBLEM: {problem}" for problem in outcome.problems]
+    lines += [f"OVER-COMMITTED at {v.t:.2f} s: {v.what}" for v in violations[:10]]
     return lines

@@ -110,7 +110,7 @@ class ReclaimCounter(LeaseSource):
 
     def attach(self, holder: LeaseHolder) -> None:
         self._holder = holder
-        self._inner.attach(self)  # type: ignore[arg-type]  # we are the inner source's holder
+        self._inner.attach(self)  # this counter is the inner source's holder
         with self._lock:
             self._last = self._peak = self._inner.limit()
 
