@@ -554,6 +554,8 @@ def trade_worker(backend_kind: str) -> int:
                 pool.free(blocks)
                 blocks = []
                 pool.maintain()
+            elif "snapshot" in command:
+                pool.maintain()
             elif "exit" in command:
                 break
             snap = pool.snapshot()
@@ -632,36 +634,42 @@ def trade_memory(setup: Setup) -> dict[str, Any]:
             answer: dict[str, Any] = json.loads(line)
             return answer
 
+        began = time.monotonic()
         a_full = ask("a", {"fill": TRADE_BUDGET // 2, "within_s": 30})
+        a_fill_s = time.monotonic() - began
         free_full = setup.device_free()
         # b asks while a holds the budget; a then frees its blocks and the broker moves
         # the memory over.
         b_proc = workers["b"]
-        assert b_proc.stdin is not None
+        assert b_proc.stdin is not None and b_proc.stdout is not None
         b_proc.stdin.write(json.dumps({"fill": TRADE_BUDGET // 4, "within_s": 45}) + "\n")
         b_proc.stdin.flush()
         time.sleep(1.0)
+        freed_at = time.monotonic()
         a_after = ask("a", {"free": True})
-        assert b_proc.stdout is not None
         b_line = b_proc.stdout.readline()
         if not b_line:
             raise RuntimeError(f"worker b exited; see {run_dir}/worker-b.log")
         b_full = json.loads(b_line)
+        trade_s = time.monotonic() - freed_at
+        a_end = ask("a", {"snapshot": True})
         free_end = setup.device_free()
-        given = a_full["held"] - a_after["held"]
         result: dict[str, Any] = {
             "budget_bytes": TRADE_BUDGET,
             "a_held_bytes": a_full["held"],
             "a_after_free_bytes": a_after["held"],
+            "a_at_end_bytes": a_end["held"],
             "b_held_bytes": b_full["held"],
             "b_blocks_verified": b_full["verified"],
+            "a_fill_s": round(a_fill_s, 2),
+            "trade_s": round(trade_s, 2),
         }
         ok = (
             a_full["held"] >= TRADE_BUDGET // 2
             and b_full["held"] >= TRADE_BUDGET // 4
             and b_full["verified"] is True
-            and given >= b_full["held"] // 2
-            and a_after["held"] + b_full["held"] <= TRADE_BUDGET
+            and a_full["held"] - a_end["held"] >= b_full["held"] // 2
+            and a_end["held"] + b_full["held"] <= TRADE_BUDGET
         )
         if free_full is not None and free_end is not None:
             result["device_free_change_bytes"] = free_end - free_full
