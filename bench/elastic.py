@@ -27,6 +27,7 @@ def run(quick: bool) -> Result:
             output=Path(out),
             metrics_port=0,
             live=False,
+            plot=False,
         )
         outcome = run_demo(options, sys.stderr)
     config = outcome.trace.config

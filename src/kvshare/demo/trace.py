@@ -28,12 +28,25 @@ the system prompt is charged only for its blocks beyond the prompt's full blocks
 shared chain holds, itself taken out of the share). That number is
 :func:`share_capacity_rps`, computed per model (the system prompt length differs). A
 busy model's arrival rate is ``busy_load`` times it and a quiet model's ``quiet_load``
-times it. The defaults, ``busy_load = 3`` and
-``quiet_load = 0.1`` with three models, mean: during its burst a model asks for what the
-whole GPU could serve, and a quiet model asks for a tenth of its share. Static partitions
-cap each model at one share; elastic sharing lets the busy model borrow what the quiet
-ones are not using. Every number here is a field of :class:`TraceConfig`, saved with the
-trace (``--trace FILE``), so a run can be checked and reproduced.
+times it. The defaults, ``busy_load = 3`` and ``quiet_load = 0.1`` with three models,
+mean: during its burst a model asks for what the whole GPU could serve, and a quiet model
+asks for a tenth of its share. Static partitions cap each model at one share; elastic
+sharing lets the busy model borrow what the quiet ones are not using. Every number here
+is a field of :class:`TraceConfig`, saved with the trace (``--trace FILE``), so a run can
+be checked and reproduced.
+
+What to expect from it
+----------------------
+With ``M`` models, one staggered burst each and a busy load of at least ``M`` shares,
+the static world is saturated for each model from its burst to the end: it serves about
+``M + (M - 1) + ... + 1 = M (M + 1) / 2`` window-shares (plus the quiet requests), while
+the elastic world can serve at most ``M * M`` (the whole GPU all the time). Requests
+served within the trace's duration can therefore differ by at most ``2 M / (M + 1)``:
+x1.5 for three models, less the quiet load. Elastic sharing stays below that bound
+because reclaimed memory comes back only as the running requests of the lender finish,
+the broker splits the GPU fairly between models that both have a queue, and requests
+still running at the end count for neither. The queueing delay is where the difference
+is largest: the static world's busy model queues for the rest of the run.
 """
 
 from __future__ import annotations
