@@ -174,7 +174,7 @@ class _Child:
                 self.process.wait()
 
 
-def _stop_all(children: Sequence[_Child], timeout_s: float = 15.0) -> None:
+def _stop_all(children: Sequence[_Child], timeout_s: float = 30.0) -> None:
     """Stop every child, all at once (each is asked, then each is waited for)."""
     for child in children:
         child.request_stop()
