@@ -15,12 +15,12 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+import aiohttp
 import kmock
 
 from kvshare.api import names
@@ -220,6 +220,40 @@ async def wait_for(check: Callable[[], T], what: str, timeout: float = TIMEOUT) 
         await asyncio.sleep(0.02)
 
 
+async def eventually(
+    check: Callable[[], Awaitable[bool]], what: str, timeout: float = TIMEOUT
+) -> None:
+    """Like :func:`wait_for`, for a check that needs to await (e.g. an HTTP request)."""
+    deadline = time.monotonic() + timeout
+    while not await check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+async def all_ready(cluster: Cluster, name: str, count: int) -> None:
+    pods = await wait_for(lambda: len(cluster.pods()) == count and cluster.pods(), f"{count} pods")
+    for pod in pods:
+        await cluster.set_ready(pod)
+    await wait_for(lambda: cluster.status(name).get("ready") == f"{count}/{count}", "all ready")
+
+
+async def metric(process: OperatorProcess, name: str) -> dict[str, float]:
+    """Samples of ``name`` on the operator's /metrics, by label string."""
+    port = await wait_for(process.metrics_port, "the metrics port in the log")
+    async with (
+        aiohttp.ClientSession() as session,
+        session.get(f"http://127.0.0.1:{port}/metrics") as response,
+    ):
+        text = await response.text()
+    samples = {}
+    for line in text.splitlines():
+        if line.startswith(name):
+            labels, _, value = line[len(name) :].rpartition(" ")
+            samples[labels] = float(value)
+    return samples
+
+
 def write_kubeconfig(path: Path, url: str) -> Path:
     path.write_text(
         "apiVersion: v1\nkind: Config\n"
@@ -272,12 +306,3 @@ class OperatorProcess:
         self.process.kill()
         self.process.wait(30)
         self._log.close()
-
-
-@contextmanager
-def running(process: OperatorProcess) -> Iterator[OperatorProcess]:
-    try:
-        yield process
-    finally:
-        if process.process.poll() is None:
-            process.kill()

@@ -105,10 +105,10 @@ class KubeCluster(kmock.KubernetesEmulator):
         self._in_flight.append(request)
         try:
             if request.resource is not None and request.action is not None:
-                self._record(request)
                 if request.action == kmock.action.CREATE:
                     self._stamp_create(request)
-                elif request.action == kmock.action.UPDATE and request.name:
+                self._record(request)
+                if request.action == kmock.action.UPDATE and request.name:
                     self._stamp_patch(request)
             response = await super()._handle(request)
             if request.action == kmock.action.CREATE and response.status == 200:
@@ -120,13 +120,14 @@ class KubeCluster(kmock.KubernetesEmulator):
     def _record(self, request: kmock.Request) -> None:
         assert request.resource is not None and request.action is not None
         plural = request.resource.plural or ""
+        body = request.data if isinstance(request.data, dict) else {}
         self.api_calls.append(
             ApiCall(
                 verb=_VERBS[request.action],
                 group=request.resource.group or "",
                 resource=f"{plural}/{request.subresource}" if request.subresource else plural,
                 namespace=request.namespace,
-                name=request.name,
+                name=request.name or (body.get("metadata") or {}).get("name"),
                 user_agent=request.headers.get("User-Agent", ""),
             )
         )

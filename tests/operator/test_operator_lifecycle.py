@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-import aiohttp
 import pytest
 
 from kvshare.api import env, names
@@ -25,6 +24,9 @@ from tests.operator.harness import (
     Cluster,
     Gpu,
     OperatorProcess,
+    all_ready,
+    eventually,
+    metric,
     wait_for,
 )
 from tests.operator.specs import modelserver
@@ -38,29 +40,6 @@ def hashes(cluster: Cluster) -> dict[str, str]:
     return {
         n: p["metadata"]["labels"][names.LABEL_TEMPLATE_HASH] for n, p in cluster.pods().items()
     }
-
-
-async def all_ready(cluster: Cluster, name: str, count: int) -> None:
-    pods = await wait_for(lambda: len(cluster.pods()) == count and cluster.pods(), f"{count} pods")
-    for pod in pods:
-        await cluster.set_ready(pod)
-    await wait_for(lambda: cluster.status(name).get("ready") == f"{count}/{count}", "all ready")
-
-
-async def metric(process: OperatorProcess, name: str) -> dict[str, float]:
-    """Samples of ``name`` on the operator's /metrics, by label string."""
-    port = await wait_for(process.metrics_port, "the metrics port in the log")
-    async with (
-        aiohttp.ClientSession() as session,
-        session.get(f"http://127.0.0.1:{port}/metrics") as response,
-    ):
-        text = await response.text()
-    samples = {}
-    for line in text.splitlines():
-        if line.startswith(name):
-            labels, _, value = line[len(name) :].rpartition(" ")
-            samples[labels] = float(value)
-    return samples
 
 
 async def test_a_modelserver_gets_pinned_pods_a_service_and_a_placed_status(
@@ -258,13 +237,10 @@ async def test_deleting_a_modelserver_is_left_to_owner_references(
             "ModelServer", "qwen", uid, True,
         )  # fmt: skip
 
-    async def counted() -> float:
-        return sum((await metric(process, "kvshare_modelservers")).values())
+    async def forgotten() -> bool:
+        return sum((await metric(process, "kvshare_modelservers")).values()) == 0
 
-    deadline = asyncio.get_running_loop().time() + 30
-    while await counted() and asyncio.get_running_loop().time() < deadline:
-        await asyncio.sleep(0.05)
-    assert await counted() == 0.0, "the operator still counts the deleted ModelServer"
+    await eventually(forgotten, "the operator to forget the deleted ModelServer")
 
     # Events of the orphaned pods (until the garbage collector removes them) change nothing.
     creates = sum(c.verb == "create" and c.resource == "pods" for c in cluster.emulator.api_calls)
