@@ -28,6 +28,7 @@ import copy
 import datetime
 import itertools
 import secrets
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -56,6 +57,8 @@ class ApiCall:
     namespace: str | None
     name: str | None
     user_agent: str
+    at: float
+    """When it arrived (``time.monotonic()``)."""
 
 
 _VERBS = {
@@ -129,6 +132,7 @@ class KubeCluster(kmock.KubernetesEmulator):
                 namespace=request.namespace,
                 name=request.name or (body.get("metadata") or {}).get("name"),
                 user_agent=request.headers.get("User-Agent", ""),
+                at=time.monotonic(),
             )
         )
 
