@@ -254,6 +254,10 @@ async def metric(process: OperatorProcess, name: str) -> dict[str, float]:
     return samples
 
 
+#: The ``start_operator`` fixture: ``start_operator(identity, *flags)``.
+StartOperator = Callable[..., "OperatorProcess"]
+
+
 def write_kubeconfig(path: Path, url: str) -> Path:
     path.write_text(
         "apiVersion: v1\nkind: Config\n"

@@ -12,7 +12,6 @@ import ssl
 import subprocess
 import sys
 import uuid
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,9 +22,7 @@ import pytest
 from kvshare.api import env, names
 from kvshare.operator.metrics import registry
 from kvshare.operator.render import RUNTIME_INIT_CONTAINER
-from tests.operator.harness import Cluster, OperatorProcess, eventually, metric, wait_for
-
-StartOperator = Callable[..., OperatorProcess]
+from tests.operator.harness import Cluster, StartOperator, eventually, metric, wait_for
 
 
 def free_port() -> int:

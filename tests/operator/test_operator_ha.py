@@ -4,7 +4,6 @@ two replicas at once (kopf peering keeps exactly one active)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 from typing import Any
 
 import kmock
@@ -16,14 +15,12 @@ from tests.operator.harness import (
     NAMESPACE,
     Cluster,
     Gpu,
-    OperatorProcess,
+    StartOperator,
     wait_for,
 )
 from tests.operator.specs import modelserver
 
 pytestmark = pytest.mark.asyncio
-
-StartOperator = Callable[..., OperatorProcess]
 
 
 def pod_creates(cluster: Cluster) -> list[str]:

@@ -9,7 +9,6 @@ kubelet: it publishes KVShareNodes and reports pod readiness.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 
 import pytest
 
@@ -23,7 +22,7 @@ from tests.operator.harness import (
     SERVICES,
     Cluster,
     Gpu,
-    OperatorProcess,
+    StartOperator,
     all_ready,
     eventually,
     metric,
@@ -32,8 +31,6 @@ from tests.operator.harness import (
 from tests.operator.specs import modelserver
 
 pytestmark = pytest.mark.asyncio
-
-StartOperator = Callable[..., OperatorProcess]
 
 
 def hashes(cluster: Cluster) -> dict[str, str]:

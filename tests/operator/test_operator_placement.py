@@ -4,8 +4,6 @@ and specs only the operator can judge are refused without pods."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import pytest
 
 from kvshare.api.kvsharenode import PoolStatus
@@ -13,9 +11,10 @@ from tests.operator.harness import (
     GIB,
     MS,
     NAMESPACE,
+    SERVICES,
     Cluster,
     Gpu,
-    OperatorProcess,
+    StartOperator,
     eventually,
     metric,
     wait_for,
@@ -23,8 +22,6 @@ from tests.operator.harness import (
 from tests.operator.specs import modelserver
 
 pytestmark = pytest.mark.asyncio
-
-StartOperator = Callable[..., OperatorProcess]
 
 
 def foreign_pool(name: str, size: int) -> PoolStatus:
@@ -139,3 +136,40 @@ async def test_specs_only_the_operator_can_judge_are_degraded_and_get_no_pods(
     await wait_for(lambda: cluster.condition("old", "Degraded").get("status") == "False",
                    "Degraded cleared")  # fmt: skip
     assert sorted(cluster.pods()) == ["old-0"]
+
+
+async def test_modelservers_reconciled_at_once_never_share_the_last_room(
+    cluster: Cluster, start_operator: StartOperator
+) -> None:
+    await cluster.add_gpu_node("gpu-node-1", [Gpu("GPU-1a", total=48 * GIB)])
+    # Both exist before the operator starts: it reconciles them concurrently.
+    for name in ("first", "second", "third"):
+        await cluster.create(MS, modelserver(name, staticMemory="26Gi", kvCache={"min": "4Gi"}))
+    start_operator()
+    phases = await wait_for(
+        lambda: (
+            sorted(cluster.status(n).get("phase", "") for n in ("first", "second", "third"))
+            if all(cluster.status(n).get("phase") for n in ("first", "second", "third"))
+            else None
+        ),
+        "three statuses",
+    )
+    assert phases == ["Starting", "Unschedulable", "Unschedulable"]
+    assert len(cluster.pods()) == 1
+
+
+async def test_a_service_of_the_same_name_that_is_not_its_own_is_left_alone(
+    cluster: Cluster, start_operator: StartOperator
+) -> None:
+    await cluster.add_gpu_node("gpu-node-1", [Gpu("GPU-1a")])
+    foreign = {"apiVersion": "v1", "kind": "Service",
+               "metadata": {"name": "qwen", "namespace": NAMESPACE},
+               "spec": {"selector": {"app": "legacy"}, "ports": [{"port": 80}]}}  # fmt: skip
+    await cluster.create(SERVICES, foreign)
+    start_operator()
+    await cluster.create(MS, modelserver())
+    degraded = await wait_for(lambda: cluster.condition("qwen", "Degraded").get("status") == "True"
+                              and cluster.condition("qwen", "Degraded"), "Degraded")  # fmt: skip
+    assert degraded["reason"] == "ServiceNameTaken"
+    assert cluster.get(SERVICES, NAMESPACE, "qwen")["spec"]["selector"] == {"app": "legacy"}  # type: ignore[index]
+    assert list(cluster.pods()) == ["qwen-0"]

@@ -25,8 +25,8 @@ log = logging.getLogger(__name__)
 def serve(config: OperatorConfig, configuration: Configuration) -> int:
     """Run the operator until SIGTERM or SIGINT; the process exit status."""
     # kopf logs every handler call at INFO; the operator's own log says what it decided.
-    objects = logging.getLogger("kopf.objects")
-    objects.setLevel(max(logging.getLogger().getEffectiveLevel(), logging.WARNING))
+    if logging.getLogger().getEffectiveLevel() > logging.DEBUG:
+        logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     metrics = default_metrics()
     controller = Controller(KubeApi(configuration), config.runtime, metrics, config.retry_delays)
     endpoint = HttpEndpoint(metrics.registry, config.metrics_port)

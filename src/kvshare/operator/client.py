@@ -105,6 +105,15 @@ class KubeApi:
                 return None
             raise
 
+    async def get(self, path: str) -> dict[str, Any] | None:
+        """GET the object at ``path``; ``None`` when there is none (404)."""
+        try:
+            return await self._request("GET", path)
+        except ApiError as exc:
+            if exc.status == 404:
+                return None
+            raise
+
     async def merge_patch(self, path: str, patch: dict[str, Any]) -> dict[str, Any] | None:
         """JSON-merge-patch the object at ``path``; ``None`` when it is gone (404)."""
         try:

@@ -221,7 +221,7 @@ class Controller:
             )
             self._count_placements(plan)
             pods, problem = await self._execute(ms, spec, plan, pods, events)
-            await self._ensure_service(ms, spec)
+            problem = await self._ensure_service(ms, spec) or problem
         pools = [
             pool
             for view in caches.gpu_node_views()
@@ -290,14 +290,9 @@ class Controller:
     ) -> tuple[list[PodView], Problem | None]:
         """Carry out ``plan``; the pods as they are now, and a refusal by the API, if any."""
         current = {p.name: p for p in pods}
-        for delete in plan.deletes:
-            if await self.api.delete(pods_path(ms.namespace, delete.pod.name), delete.pod.uid):
-                self.expectations.deleted(delete.pod)
-                events.append(_delete_event(delete, plan))
-            current[delete.pod.name] = _terminating(delete.pod)
         template = template_hash(spec)
-        for create in plan.creates:
-            body = render_pod(
+        bodies = [
+            render_pod(
                 ms,
                 spec,
                 replica=create.replica,
@@ -305,33 +300,66 @@ class Controller:
                 template=template,
                 runtime=self.runtime,
             )
-            try:
-                created = await self.api.create(pods_path(ms.namespace), body)
-            except ApiError as exc:
-                if exc.retriable:
-                    raise
-                return list(current.values()), Problem(
-                    "PodRejected",
-                    f"the API server refused pod {body['metadata']['name']}: {exc.message}",
-                )
-            view = pod_view(created) if created is not None else None
+            for create in plan.creates
+        ]
+        # Reserve the planned GPUs before the first await: a reconcile of another
+        # ModelServer that runs while these calls are in flight must see them taken.
+        planned = [pod_view(body) for body in bodies]
+        for view in planned:
             if view is not None:
                 self.expectations.created(view)
+        try:
+            for delete in plan.deletes:
+                if await self.api.delete(pods_path(ms.namespace, delete.pod.name), delete.pod.uid):
+                    self.expectations.deleted(delete.pod)
+                    events.append(_delete_event(delete, plan))
+                current[delete.pod.name] = _terminating(delete.pod)
+            for create, body in zip(plan.creates, bodies, strict=True):
+                name = body["metadata"]["name"]
+                try:
+                    created = await self.api.create(pods_path(ms.namespace), body)
+                except ApiError as exc:
+                    if exc.retriable:
+                        raise
+                    return list(current.values()), Problem(
+                        "PodRejected", f"the API server refused pod {name}: {exc.message}"
+                    )
+                view = pod_view(created if created is not None else body)
+                if view is None:
+                    continue
                 current[view.name] = view
+                if created is None:  # made by an earlier run whose answer was lost
+                    log.warning("pod %s/%s exists already; waiting to see it", ms.namespace, name)
+                    continue
+                self.expectations.created(view)
                 events.append(_placed_event(create, view))
+        finally:
+            # Reservations of pods that were not created are released.
+            for view in planned:
+                if view is not None and view.name not in current:
+                    self.expectations.forget_pod(view)
         return list(current.values()), None
 
-    async def _ensure_service(self, ms: ModelServerRef, spec: ModelServerSpec) -> None:
+    async def _ensure_service(self, ms: ModelServerRef, spec: ModelServerSpec) -> Problem | None:
         service = render_service(ms, spec)
         if self._services.get(ms.key) == service:
-            return
-        created = await self.api.create(services_path(ms.namespace), service)
-        if created is None:  # it exists: bring it to what it should be
+            return None
+        path = services_path(ms.namespace, ms.name)
+        if await self.api.create(services_path(ms.namespace), service) is None:
+            existing = await self.api.get(path)
+            owners = (existing or {}).get("metadata", {}).get("ownerReferences") or []
+            if existing is not None and not any(o.get("uid") == ms.uid for o in owners):
+                return Problem(
+                    "ServiceNameTaken",
+                    f"Service {ms.name} exists and does not belong to this ModelServer: delete "
+                    "it, or recreate the ModelServer under another name",
+                )
+            # Ours, from before: bring it to what it should be.
             await self.api.merge_patch(
-                services_path(ms.namespace, ms.name),
-                {"metadata": service["metadata"], "spec": service["spec"]},
+                path, {"metadata": service["metadata"], "spec": service["spec"]}
             )
         self._services[ms.key] = service
+        return None
 
     def _scale_event(
         self, previous: Mapping[str, Any], spec: ModelServerSpec | None

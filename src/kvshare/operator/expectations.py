@@ -39,6 +39,10 @@ class Expectations:
         self._deleted[pod.uid] = (pod.key, self._clock())
         self._created.pop((pod.namespace, pod.name), None)
 
+    def forget_pod(self, pod: PodView) -> None:
+        """``pod`` was planned but not created after all."""
+        self._created.pop((pod.namespace, pod.name), None)
+
     def overlay(
         self, indexed: Iterable[PodView], key: ModelServerKey | None = None
     ) -> list[PodView]:

@@ -38,7 +38,12 @@ API_CALLS: tuple[ApiCall, ...] = (
     ),
     ApiCall(names.GROUP, names.KVSHARENODE_PLURAL, ("list", "watch"), "GPU capacity and pools"),
     ApiCall("", "pods", ("list", "watch", "create", "delete"), "one pod per replica"),
-    ApiCall("", "services", ("create", "patch"), "one Service per ModelServer"),
+    ApiCall(
+        "",
+        "services",
+        ("create", "get", "patch"),
+        "one Service per ModelServer (get: whose is one that exists already)",
+    ),
     ApiCall("", "nodes", ("list", "watch"), "labels, taints and cordons for placement"),
     ApiCall("", "events", ("create",), "Events about placement, rollouts and problems"),
     ApiCall(

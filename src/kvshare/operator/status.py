@@ -90,9 +90,9 @@ def _names(pods: Sequence[PodView]) -> str:
 
 def _placed(obs: Observation, serving: Sequence[PodView]) -> tuple[str, str, str]:
     plan = obs.plan
-    if obs.problem is not None:
-        return "False", obs.problem.reason, obs.problem.message
-    assert plan is not None
+    if plan is None:  # the spec itself cannot be served
+        problem = obs.problem or Problem("NotObserved", "")
+        return "False", problem.reason, problem.message
     if plan.too_large:
         return "False", "ModelTooLarge", plan.too_large
     if plan.rollout and plan.rollout.waiting.startswith("cannot replace"):
@@ -128,7 +128,7 @@ def _progressing(
     obs: Observation, serving: Sequence[PodView], was_rolling: bool
 ) -> tuple[str, str, str]:
     plan = obs.plan
-    if obs.problem is not None or plan is None:
+    if plan is None:
         return "False", "SpecNotServable", "nothing changes until the spec is fixed"
     if plan.rollout is not None:
         rollout = plan.rollout
