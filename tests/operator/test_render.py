@@ -243,3 +243,15 @@ def test_the_pod_reads_back_as_the_view_placement_counts() -> None:
     assert view.gpus == ("GPU-3a", "GPU-3b")
     assert view.per_gpu_bytes == 22 * GIB
     assert (view.ready, view.terminating, view.finished) == (False, False, False)
+
+
+def test_an_unscheduled_pod_reads_back_with_the_schedulers_reason() -> None:
+    body = render()
+    body["status"] = {
+        "phase": "Pending",
+        "conditions": [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                        "message": "0/3 nodes are available: 3 Insufficient kvshare.io/gpu."}],
+    }  # fmt: skip
+    view = pod_view(body)
+    assert view is not None
+    assert view.message == "0/3 nodes are available: 3 Insufficient kvshare.io/gpu."

@@ -3,6 +3,7 @@ condition changes produce."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from kvshare.api.kvsharenode import PoolStatus
@@ -170,3 +171,14 @@ def test_a_failed_reconcile_marks_only_degraded() -> None:
         "True", "500 boom", T1,
     )  # fmt: skip
     assert failed["placements"] == ready["placements"]
+
+
+def test_not_ready_replicas_say_what_the_scheduler_or_kubelet_said() -> None:
+    stuck = replace(pod(1, ready=False, phase="Pending"),
+                    message="0/3 nodes are available: 3 Insufficient kvshare.io/gpu.")  # fmt: skip
+    result = status(Observation(generation=1, desired=2, pods=[pod(0), stuck], plan=Plan()))
+    ready = next(c for c in result["conditions"] if c["type"] == "Ready")
+    assert ready["message"] == (
+        "1/2 replicas ready; not ready: qwen-1; "
+        "qwen-1: 0/3 nodes are available: 3 Insufficient kvshare.io/gpu."
+    )

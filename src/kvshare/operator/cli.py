@@ -38,12 +38,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     peering.add_argument(
         "--peering",
         default=names.PEERING_NAME,
-        help="ClusterKopfPeering (KopfPeering with --namespace) the replicas elect through",
+        help="ClusterKopfPeering the replicas elect through (with --namespace: a KopfPeering of "
+        "that name in each namespace); it must exist",
     )
     peering.add_argument(
         "--standalone", action="store_true", help="no peering: act even if another operator runs"
     )
-    peering.add_argument("--identity", help="this replica's peering identity; default: host name")
+    peering.add_argument(
+        "--identity",
+        help="this replica's peering identity; default: the host name (the pod name in a "
+        "cluster), so operators on one host need distinct identities",
+    )
     peering.add_argument(
         "--priority", type=int, help="peering priority; default: older replicas rank higher"
     )

@@ -121,6 +121,8 @@ def _ready(obs: Observation, serving: Sequence[PodView]) -> tuple[str, str, str]
         return "True", "ReplicasReady", f"{len(ready)}/{obs.desired} replicas ready"
     waiting = [p for p in serving if not p.ready]
     detail = f"; not ready: {_names(waiting)}" if waiting else ""
+    explained = [p for p in waiting if p.message][:_MAX_NAMES]
+    detail += "".join(f"; {p.name}: {p.message}" for p in explained)
     return "False", "ReplicasNotReady", f"{len(ready)}/{obs.desired} replicas ready{detail}"
 
 

@@ -167,8 +167,16 @@ def pod_view(body: Mapping[str, Any]) -> PodView | None:
         phase=status.get("phase") or "Pending",
         ready=ready,
         terminating=bool(meta.get("deletionTimestamp")),
-        message=" ".join(filter(None, (status.get("reason"), status.get("message")))),
+        message=_pod_message(status),
     )
+
+
+def _pod_message(status: Mapping[str, Any]) -> str:
+    """Why a pod is not running, as the scheduler or the kubelet put it."""
+    for condition in status.get("conditions") or ():
+        if condition.get("type") == "PodScheduled" and condition.get("status") == "False":
+            return str(condition.get("message") or condition.get("reason") or "")
+    return " ".join(filter(None, (status.get("reason"), status.get("message"))))
 
 
 @dataclass(frozen=True)
