@@ -146,3 +146,57 @@ def test_restarting_the_operator_keeps_every_pod(kube: Any, namespace: str) -> N
     eventually(lambda: len(api.pods("steady")) == 3, "the third replica from the new operator")
     uids = {p.metadata.uid for p in api.pods("steady")}
     assert set(before) <= uids, "a replica was replaced by the restart"
+
+
+def test_a_waiting_replica_is_placed_when_another_modelserver_scales_down(
+    kube: Any, namespace: str
+) -> None:
+    """Needs one node agent with fake GPUs of 80Gi (``--fake-gpus 2x80Gi``)."""
+    api = Api(kube, namespace)
+    api.create(modelserver("filler", tensorParallelSize=2, staticMemory="70Gi"))
+    eventually(lambda: len(api.pods("filler")) == 1, "filler placed")
+    api.create(modelserver("late", staticMemory="20Gi"))
+    placed = eventually(lambda: api.condition("late", "Placed").get("status") == "False"
+                        and api.condition("late", "Placed"), "late unschedulable")  # fmt: skip
+    assert placed["reason"] == "Unschedulable" and "largest:" in placed["message"]
+    api.custom.patch_namespaced_custom_object(
+        names.GROUP, names.VERSION, namespace, names.MODELSERVER_PLURAL, "filler",
+        {"spec": {"replicas": 0}},
+    )  # fmt: skip
+    eventually(lambda: len(api.pods("late")) == 1, "late placed once filler's pod is gone")
+
+
+def test_a_spec_change_replaces_one_replica_and_waits_for_it(kube: Any, namespace: str) -> None:
+    """Without GPUs the engines never become ready, so the rollout stops after the first
+    replacement: exactly what one-at-a-time means."""
+    api = Api(kube, namespace)
+    api.create(modelserver("rolling", replicas=2))
+    eventually(lambda: len(api.pods("rolling")) == 2, "two pods")
+    api.custom.patch_namespaced_custom_object(
+        names.GROUP, names.VERSION, namespace, names.MODELSERVER_PLURAL, "rolling",
+        {"spec": {"image": "vllm/vllm-openai:v0.33.1"}},
+    )  # fmt: skip
+
+    def images() -> list[str]:
+        return sorted(p.spec.containers[0].image for p in api.pods("rolling")
+                      if not p.metadata.deletion_timestamp)  # fmt: skip
+
+    eventually(lambda: "vllm/vllm-openai:v0.33.1" in images(), "the first replacement")
+    time.sleep(15)
+    assert images() == ["vllm/vllm-openai:v0.33.0", "vllm/vllm-openai:v0.33.1"]
+    assert api.condition("rolling", "Progressing")["reason"] == "RollingUpdate"
+
+
+def test_only_one_operator_replica_acts(kube: Any, namespace: str) -> None:
+    """Meaningful with the chart's ``operator.replicas=2``: both announce themselves,
+    every Event comes from one of them."""
+    api = Api(kube, namespace)
+    peering = api.custom.get_cluster_custom_object("kopf.dev", "v1", "clusterkopfpeerings",
+                                                   names.PEERING_NAME)  # fmt: skip
+    peers = peering.get("status") or {}
+    assert peers, "no operator announced itself in the ClusterKopfPeering"
+    api.create(modelserver("single", replicas=2))
+    eventually(lambda: len(api.pods("single")) == 2, "two pods")
+    events = eventually(lambda: [e for e in api.core.list_namespaced_event(namespace).items
+                                 if e.reason == "Placed"], "Placed events")  # fmt: skip
+    assert len({e.reporting_instance for e in events}) == 1

@@ -173,3 +173,17 @@ async def test_a_service_of_the_same_name_that_is_not_its_own_is_left_alone(
     assert degraded["reason"] == "ServiceNameTaken"
     assert cluster.get(SERVICES, NAMESPACE, "qwen")["spec"]["selector"] == {"app": "legacy"}  # type: ignore[index]
     assert list(cluster.pods()) == ["qwen-0"]
+
+
+async def test_a_waiting_replica_takes_the_room_another_modelservers_pod_leaves(
+    cluster: Cluster, start_operator: StartOperator
+) -> None:
+    await cluster.add_gpu_node("gpu-node-1", [Gpu("GPU-1a")])
+    start_operator()
+    await cluster.create(MS, modelserver("first", staticMemory="56Gi", kvCache={"min": "4Gi"}))
+    await wait_for(lambda: "first-0" in cluster.pods(), "first-0 placed")
+    await cluster.create(MS, modelserver("second", staticMemory="36Gi", kvCache={"min": "4Gi"}))
+    await wait_for(lambda: cluster.status("second").get("phase") == "Unschedulable", "second waits")
+    # No KVShareNode update: the pod going away is what frees the room.
+    await cluster.patch(MS, NAMESPACE, "first", {"spec": {"replicas": 0}})
+    await wait_for(lambda: list(cluster.pods()) == ["second-0"], "second-0 placed")

@@ -177,6 +177,16 @@ class Controller:
         self.metrics.forget(key)
         log.info("forgot ModelServer %s/%s", *key)
 
+    def affected_by_pod(
+        self, event: str, namespace: str | None, modelserver: str | None
+    ) -> set[ModelServerKey]:
+        """ModelServers a pod event matters to: its own, and when the pod is gone (its
+        GPU room is free again) those waiting for capacity."""
+        keys = {(namespace, modelserver)} if namespace and modelserver else set()
+        if event == "DELETED":
+            keys |= self._waiting_for_capacity
+        return keys
+
     def affected_by_gpu_node(self, node: str, caches: Caches) -> set[ModelServerKey]:
         """ModelServers a KVShareNode change matters to: those with pods on the node
         (their KV usage) and those waiting for capacity."""

@@ -4,7 +4,8 @@
   KVShareNodes; kopf fills them from its watches and holds every handler back until all
   of them are loaded, so the first reconcile after a restart already sees every pod.
 - A ModelServer event reconciles that ModelServer (or forgets it, when deleted).
-- A pod event reconciles the pod's ModelServer (readiness, failures, deletions).
+- A pod event reconciles the pod's ModelServer (readiness, failures, deletions); a pod
+  that is gone also frees GPU room, so the ModelServers waiting for capacity retry.
 - A KVShareNode event reconciles the ModelServers with pods on that node (their KV
   usage) and those waiting for GPU capacity; a Node event, only the latter, and only
   when the node's labels, taints or cordon changed.
@@ -128,10 +129,12 @@ def build_registry(
             await controller.request(key, _caches(kwargs), _post_event)
 
     @kopf.on.event("v1", "pods", labels=_OWN_PODS, registry=registry)
-    async def pod_changed(namespace: str | None, labels: kopf.Labels, **kwargs: Any) -> None:
-        modelserver = labels.get(names.LABEL_MODELSERVER)
-        if modelserver and namespace:
-            await controller.request((namespace, modelserver), _caches(kwargs), _post_event)
+    async def pod_changed(
+        type: str, namespace: str | None, labels: kopf.Labels, **kwargs: Any
+    ) -> None:
+        caches = _caches(kwargs)
+        keys = controller.affected_by_pod(type, namespace, labels.get(names.LABEL_MODELSERVER))
+        await asyncio.gather(*(controller.request(k, caches, _post_event) for k in keys))
 
     @kopf.on.event(*_KVSHARENODES, registry=registry)
     async def gpu_node_changed(body: kopf.Body, name: str, **kwargs: Any) -> None:
