@@ -14,7 +14,7 @@ import datetime
 import logging
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kvshare.api.kube import SpecError, validate
@@ -323,7 +323,7 @@ class Controller:
                 if await self.api.delete(pods_path(ms.namespace, delete.pod.name), delete.pod.uid):
                     self.expectations.deleted(delete.pod)
                     events.append(_delete_event(delete, plan))
-                current[delete.pod.name] = _terminating(delete.pod)
+                current[delete.pod.name] = replace(delete.pod, terminating=True)
             for create, body in zip(plan.creates, bodies, strict=True):
                 name = body["metadata"]["name"]
                 try:
@@ -395,12 +395,6 @@ class Controller:
             )
         except ApiError as exc:
             log.error("cannot report the failure of %s/%s: %s", *key, exc)
-
-
-def _terminating(pod: PodView) -> PodView:
-    from dataclasses import replace
-
-    return replace(pod, terminating=True)
 
 
 def _placed_event(create: Create, pod: PodView) -> Event:
