@@ -21,6 +21,10 @@ from kvshare.api import env
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "crds": ("kvshare.api.crds_cli", "print the CustomResourceDefinitions as YAML"),
     "demo": ("kvshare.demo.cli", "static partitions vs elastic KV caches, live, on this machine"),
+    "operator": (
+        "kvshare.operator.cli",
+        "run the operator: place ModelServers onto shared GPUs and run their pods",
+    ),
     "version": ("kvshare.version_cli", "print the kvshare version"),
 }
 
