@@ -24,16 +24,22 @@ Exit status: 0 all steps passed, 1 a step failed, 3 no GPU, 4 a package is missi
 
 from __future__ import annotations
 
+import os
+import sys
+
+# `python bench/gpu_check.py` puts bench/ first on sys.path, where bench/operator.py would
+# shadow Python's own `operator` module: bench/ goes last.
+if sys.path and os.path.realpath(sys.path[0]) == os.path.dirname(os.path.realpath(__file__)):
+    sys.path.pop(0)
+
 import argparse
 import contextlib
 import ctypes
 import importlib.util
 import json
-import os
 import platform
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 import xml.etree.ElementTree as ET
@@ -43,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path.append(str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT / "src"))
 
 EXIT_FAILED = 1

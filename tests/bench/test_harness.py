@@ -47,7 +47,7 @@ def _bench_module(name: str) -> object:
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up while defining
-    sys.path.insert(0, str(ROOT / "bench"))
+    sys.path.append(str(ROOT / "bench"))
     try:
         spec.loader.exec_module(module)
     finally:
