@@ -234,6 +234,11 @@ def backend_page_ops(setup: Setup, pages: int) -> tuple[int, dict[str, float]]:
     return size, {op: _median_us(samples) for op, samples in times.items()}
 
 
+def _bare_times() -> dict[str, list[float]]:
+    """Samples per bare call, by operation."""
+    return {op: [] for op in ("create", "map", "set_access", "unmap", "release")}
+
+
 def bare_cuda_page_ops(size: int, pages: int) -> dict[str, float]:
     """Median µs per page of the driver's own calls (cuda-python, no kvshare code)."""
     from cuda.bindings import driver as cu
@@ -256,13 +261,7 @@ def bare_cuda_page_ops(size: int, pages: int) -> dict[str, float]:
     access.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
     access.location.id = 0
     access.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-    times: dict[str, list[float]] = {
-        "create": [],
-        "map": [],
-        "set_access": [],
-        "unmap": [],
-        "release": [],
-    }
+    times = _bare_times()
     base = int(check(cu.cuMemAddressReserve(pages * size, 0, 0, 0)))
     try:
         handles = [
@@ -290,13 +289,7 @@ def bare_host_page_ops(size: int, pages: int) -> dict[str, float]:
     """The host analogue of the driver calls, straight from libc (dry run)."""
     from kvshare.runtime.backends import libc
 
-    times: dict[str, list[float]] = {
-        "create": [],
-        "map": [],
-        "set_access": [],
-        "unmap": [],
-        "release": [],
-    }
+    times = _bare_times()
     fd = os.memfd_create("kvshare-gpu-check")
     try:
         os.ftruncate(fd, pages * size)
