@@ -1,7 +1,7 @@
 """Benchmark ``elastic``: the demo's comparison, static partitions against kvshare.
 
 The same seeded, bursty trace (``kvshare.demo.trace``, its defaults: 3 models with
-staggered busy windows on one 4 GiB fake GPU, a busy model's load 3x what its static
+staggered busy windows in 36 s on one 4 GiB fake GPU, a busy model's load 3x what its static
 share can serve, a quiet model's 0.1x) runs at once in two worlds of the same total
 memory: each model with a fixed equal share, and each model leased by the node agent's
 broker. Real processes, real pools on the ``host`` backend, the real broker.
@@ -23,7 +23,7 @@ from kvshare.demo.orchestrator import DemoOptions, run_demo
 def run(quick: bool) -> Result:
     with tempfile.TemporaryDirectory(prefix="kvshare-bench-elastic-") as out:
         options = DemoOptions(
-            duration_s=20.0 if quick else 40.0,
+            duration_s=18.0 if quick else DemoOptions().duration_s,
             output=Path(out),
             metrics_port=0,
             live=False,

@@ -13,13 +13,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvshare.api import names
-from kvshare.api.quantity import QuantityError, parse_bytes
+from kvshare.api.quantity import QuantityError, format_bytes, parse_bytes
+from kvshare.demo.trace import TraceConfig
 
 if TYPE_CHECKING:
     from kvshare.demo.orchestrator import DemoOptions
 
-GIB = 2**30
-_DEFAULTS = {"duration": 40.0, "models": 3, "gpu_memory": 4 * GIB}
+#: The trace's defaults, under the names of the options that override them.
+_DEFAULTS = {
+    "duration": TraceConfig.duration_s,
+    "models": TraceConfig.models,
+    "gpu_memory": TraceConfig.gpu_memory_bytes,
+}
 
 
 def _gpu_memory(raw: str) -> int:
@@ -31,16 +36,21 @@ def _gpu_memory(raw: str) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--duration", type=float, help="seconds of trace to run in both worlds (default 40)"
+        "--duration",
+        type=float,
+        help=f"seconds of trace to run in both worlds (default {_DEFAULTS['duration']:g})",
     )
     parser.add_argument(
-        "--models", type=int, help="number of models sharing the GPU, at least 3 (default 3)"
+        "--models",
+        type=int,
+        help=f"number of models sharing the GPU, at least 3 (default {_DEFAULTS['models']})",
     )
     parser.add_argument(
         "--gpu-memory",
         type=_gpu_memory,
         metavar="QUANTITY",
-        help="KV memory of the fake GPU, e.g. 4Gi (default 4Gi)",
+        help="KV memory of the fake GPU, e.g. 8Gi "
+        f"(default {format_bytes(int(_DEFAULTS['gpu_memory']))})",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the generated trace")
     parser.add_argument(

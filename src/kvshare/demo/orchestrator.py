@@ -81,9 +81,9 @@ class DemoError(RuntimeError):
 class DemoOptions:
     """What ``kvshare demo`` (and the ``elastic`` benchmark) run."""
 
-    duration_s: float = 40.0
-    models: int = 3
-    gpu_memory_bytes: int = 4 * GIB
+    duration_s: float = trace_mod.TraceConfig.duration_s
+    models: int = trace_mod.TraceConfig.models
+    gpu_memory_bytes: int = trace_mod.TraceConfig.gpu_memory_bytes
     seed: int = 0
     trace_file: Path | None = None
     output: Path = Path("out/demo")

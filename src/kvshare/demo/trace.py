@@ -114,7 +114,7 @@ class TraceConfig:
     """Everything a trace is generated from; saved with it."""
 
     seed: int = 0
-    duration_s: float = 40.0
+    duration_s: float = 36.0
     models: int = 3
     #: KV memory of the GPU the models share, in bytes (the demo's fake GPU).
     gpu_memory_bytes: int = 4 * GIB
