@@ -102,7 +102,7 @@ class ReclaimCounter(LeaseSource):
     def __init__(self, inner: LeaseSource) -> None:
         self._inner = inner
         self._holder: LeaseHolder | None = None
-        self._lock = threading.Lock()  # guards _last, reclaims, reclaimed_bytes
+        self._lock = threading.Lock()  # guards _last, _peak, reclaims, reclaimed_bytes
         self._last: int | None = None
         self._peak = 0
         self.reclaims = 0
