@@ -91,8 +91,6 @@ class DemoOptions:
     live: bool = True
     plot: bool = True
     sample_s: float = 0.25
-    #: Share of the GPU each elastic pool is guaranteed (kvCache.min), of an equal share.
-    elastic_min_fraction: float = 0.0
 
     def trace(self) -> trace_mod.Trace:
         """The trace to run: loaded from ``trace_file`` or generated from the options."""
@@ -422,11 +420,9 @@ def run_demo(options: DemoOptions, stream: TextIO = sys.stdout) -> DemoOutcome:
         }
         node.wait_ready(time.monotonic() + STARTUP_TIMEOUT_S)
         for model in range(config.models):
-            env = node.pool_env(
-                f"model-{model}",
-                kv_max=config.gpu_memory_bytes,
-                kv_min=int(share * options.elastic_min_fraction),
-            )
+            # No guaranteed minimum (kvCache.min 0) and no cap below the GPU: what a model
+            # holds beyond its running requests is the broker's fair share to decide.
+            env = node.pool_env(f"model-{model}", kv_max=config.gpu_memory_bytes)
             servers[("elastic", model)] = launch.server("elastic", model, env)
         view = LiveView(
             stream,
