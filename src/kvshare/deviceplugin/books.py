@@ -198,6 +198,7 @@ class PoolRecord:
     charge: int = 0
     waiting_since: float | None = None
     orphaned_at: float | None = None
+    orphan_deadline: float = 0.0
     device_bytes: int | None = None
     over_lease: bool = False
 
@@ -353,6 +354,7 @@ class Books:
         reclaim_deadline_s: float = 10.0,
         turn_hold_s: float = 600.0,
         orphan_grace_s: float = 0.5,
+        orphan_wait_s: float = 10.0,
         events: BrokerEvents | None = None,
         expected: Iterable[ExpectedPool] = (),
         recovery_deadline: float | None = None,
@@ -369,6 +371,7 @@ class Books:
         self._reclaim_deadline_s = reclaim_deadline_s
         self._turn_hold_s = turn_hold_s
         self._orphan_grace_s = orphan_grace_s
+        self._orphan_wait_s = orphan_wait_s
         self._events: BrokerEvents = events or NullEvents()
         self._next_pool_id = 1
         self._next_seq = 1
@@ -422,7 +425,7 @@ class Books:
             if pool.reclaim is not None and not pool.reclaim.overdue:
                 times.append(pool.reclaim.deadline)
             if pool.orphaned_at is not None:
-                times.append(pool.orphaned_at + self._orphan_grace_s)
+                times.append(pool.orphan_deadline)
         for gpu in self._gpus.values():
             if gpu.turn is not None:
                 times.append(gpu.turn.expires_at)
@@ -760,12 +763,14 @@ class Books:
         )
         return self._serve(gpu, now)
 
-    def orphan(self, pool_id: int, now: float) -> None:
-        """The pool's connection closed without a goodbye: remove it after a short grace
-        unless it reconnects (or its process is seen to exit first)."""
+    def orphan(self, pool_id: int, now: float, *, watched: bool) -> None:
+        """The pool's connection closed without a goodbye. It is removed when its process
+        exits (the broker calls :meth:`remove`), or when it has not reconnected within
+        ``orphan_wait_s`` (``orphan_grace_s`` if its process is not ``watched``)."""
         pool = self._pools.get(pool_id)
         if pool is not None and pool.orphaned_at is None:
             pool.orphaned_at = now
+            pool.orphan_deadline = now + (self._orphan_wait_s if watched else self._orphan_grace_s)
 
     def _recharge(self, gpu: _Gpu, pool: PoolRecord) -> None:
         # What a pool reports holding beyond its lease is not charged: reports are the
@@ -896,7 +901,7 @@ class Books:
         removed: list[int] = []
         for pool in list(self._pools.values()):
             gpu = self._gpus[pool.gpu]
-            if pool.orphaned_at is not None and now >= pool.orphaned_at + self._orphan_grace_s:
+            if pool.orphaned_at is not None and now >= pool.orphan_deadline:
                 removed.append(pool.id)
                 sends += self.remove(pool.id, "connection closed", now)
                 continue

@@ -81,6 +81,7 @@ class BrokerConfig:
     reclaim_deadline_s: float = 10.0
     turn_hold_s: float = 600.0
     orphan_grace_s: float = 0.5
+    orphan_wait_s: float = 10.0
     recovery_s: float = 10.0
 
 
@@ -146,6 +147,7 @@ class Broker:
                 reclaim_deadline_s=self.config.reclaim_deadline_s,
                 turn_hold_s=self.config.turn_hold_s,
                 orphan_grace_s=self.config.orphan_grace_s,
+                orphan_wait_s=self.config.orphan_wait_s,
                 events=self._events,
                 expected=expected,
                 recovery_deadline=now + self.config.recovery_s,
@@ -512,8 +514,11 @@ class Broker:
         self._drop(conn)
         now = time.monotonic()
         if bound:
+            # Watched processes keep their lease until they exit (their memory is only
+            # free then) or reconnect; unwatched ones get the short grace.
+            watched = conn.pool_id in self._pool_pidfds
             with self._lock:
-                self._books.orphan(conn.pool_id, now)
+                self._books.orphan(conn.pool_id, now, watched=watched)
         elif role == "turn":
             self._turn_conns.pop(conn.id, None)
             with self._lock:

@@ -9,9 +9,10 @@ thread (``kvshare-lease``) talks to the broker:
 - growth is asked in chunks (``chunk_bytes``, a multiple of the page size), so the
   allocation path rarely waits for a round trip;
 - grants and reclaims arrive as :meth:`LeaseHolder.lease_changed` calls on that thread;
-- a reclaim is acknowledged by the first :meth:`~BrokerLease.report` made after
-  ``lease_changed`` returned whose held bytes fit the new lease (or, if the pool reports
-  nothing new within ``ack_fallback_s``, by its last report when that already fits);
+- a reclaim is acknowledged by the first :meth:`~BrokerLease.report` made once the lower
+  limit is in force whose held bytes fit it (never by an older report: the pool may have
+  grown since), so a pool must report after ``lease_changed`` even when it had nothing
+  to release (the runtime's pool does, and reports on a timer too);
 - when the connection drops (a broker restart), the pool keeps its memory and lease, and
   the thread reconnects with exponential backoff and re-declares what it holds.
 
@@ -190,9 +191,8 @@ def _read_some(sock: socket.socket, reader: FrameReader, deadline: float) -> lis
 class _PendingAck:
     seq: int
     limit: int
-    changed_at: float | None = None
-    """When ``lease_changed`` returned; reports before it do not count."""
     reports_at_change: int = 0
+    """Reports made before the lower limit was in force do not acknowledge."""
 
 
 class BrokerLease(LeaseSource):
@@ -215,7 +215,6 @@ class BrokerLease(LeaseSource):
         reconnect_initial_s: float = 0.05,
         reconnect_max_s: float = 2.0,
         report_interval_s: float = 0.05,
-        ack_fallback_s: float = 0.25,
     ) -> None:
         if policy.page_size <= 0:
             raise ValueError(f"page size must be > 0, not {policy.page_size}")
@@ -228,7 +227,6 @@ class BrokerLease(LeaseSource):
         self._connect_timeout = connect_timeout_s
         self._reconnect = (reconnect_initial_s, reconnect_max_s)
         self._report_interval = report_interval_s
-        self._ack_fallback = ack_fallback_s
 
         # _lock guards everything below that both the pool's threads and the lease
         # thread touch: the wish (_asked), the latest usage, the pending reclaim ack.
@@ -487,14 +485,9 @@ class BrokerLease(LeaseSource):
             self._sent_want = asked
         ack = 0
         sleep = 0.5
-        if pending is not None and pending.changed_at is not None and usage is not None:
-            fits = usage.held <= pending.limit
-            fresh = reports > pending.reports_at_change
-            waited = now - pending.changed_at
-            if fits and (fresh or waited >= self._ack_fallback):
-                ack = pending.seq
-            elif not fresh:
-                sleep = max(self._ack_fallback - waited, 0.0)
+        fresh = pending is not None and reports > pending.reports_at_change
+        if pending is not None and usage is not None and fresh and usage.held <= pending.limit:
+            ack = pending.seq
         if usage is not None and (ack or reports != self._sent_reports):
             wait = self._last_report_at + self._report_interval - now
             if ack or wait <= 0:
@@ -567,15 +560,15 @@ class BrokerLease(LeaseSource):
     def _reclaimed(self, reclaim: Reclaim) -> None:
         pending = _PendingAck(seq=reclaim.seq, limit=reclaim.limit)
         with self._lock:
+            # Reports from here on are made with the lower limit in force (a pool that
+            # shrinks and reports inside lease_changed acknowledges at once).
             self._limit = reclaim.limit
             self._asked = min(self._asked, reclaim.limit)
+            pending.reports_at_change = self._reports
             self._pending = pending
         self._sent_want = min(self._sent_want, reclaim.limit)
         if self._holder is not None:
             self._holder.lease_changed(reclaim.limit)
-        with self._lock:
-            pending.changed_at = time.monotonic()
-            pending.reports_at_change = self._reports
 
 
 @contextlib.contextmanager
