@@ -187,7 +187,7 @@ class _Service:
         resource: Resource,
         watch: DeviceWatch,
         metrics: NodeMetrics,
-        on_stream_end: Callable[[], None],
+        on_stream_end: Callable[[float], None],
     ) -> None:
         self._resource = resource
         self._watch = watch
@@ -205,6 +205,7 @@ class _Service:
     def ListAndWatch(self, request: Any, context: Any) -> Iterator[Any]:  # noqa: N802
         """The device list now and after every change, until the kubelet hangs up."""
         del request
+        started = time.monotonic()
         version = -1
         sent: list[tuple[str, bool]] | None = None
         while context.is_active() and not self._watch.stopped:
@@ -218,7 +219,7 @@ class _Service:
                     ]
                 )
         if not self._watch.stopped:
-            self._on_stream_end()
+            self._on_stream_end(started)
 
     def GetPreferredAllocation(self, request: Any, context: Any) -> Any:  # noqa: N802
         """One preferred id list per container request."""
@@ -277,8 +278,10 @@ class PluginServer:
         directory: Path,
         watch: DeviceWatch,
         metrics: NodeMetrics,
-        on_stream_end: Callable[[], None],
+        on_stream_end: Callable[[float], None],
     ) -> None:
+        """``on_stream_end(started)`` is called when the kubelet ends a ListAndWatch
+        stream that started at ``started`` (monotonic seconds)."""
         self.resource = resource
         self.path = directory / resource.endpoint
         self._service = _Service(resource, watch, metrics, on_stream_end)

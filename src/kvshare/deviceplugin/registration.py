@@ -6,8 +6,10 @@ A loop (``kvshare-plugin``) checks every ``poll_s``:
   device-plugin directory): if not, serve again on a fresh socket and re-register;
 - ``kubelet.sock`` is the same socket as at our last registration, judged by inode *and*
   change time (a recreated socket often reuses the inode): if not, re-register;
-- a ``ListAndWatch`` stream the kubelet ended while we were registered also triggers a
-  re-registration (the kubelet treats a closed stream as a failed plugin).
+- a ``ListAndWatch`` stream of the current registration that the kubelet ended also
+  triggers a re-registration (the kubelet treats a closed stream as a failed plugin).
+  Streams of an earlier registration, which the kubelet closes when we register again,
+  do not count, or every re-registration would cause the next.
 
 No kubelet (no directory or no socket) is not an error: the plugin says so once and
 waits; the broker and metrics keep running without it.
@@ -18,7 +20,8 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import grpc
@@ -61,12 +64,14 @@ class PluginManager:
         self._poll = poll_s
         self._register_timeout = register_timeout_s
         self._servers = [
-            PluginServer(r, directory, watch, metrics, self._stream_ended) for r in resources
+            PluginServer(r, directory, watch, metrics, self._stream_handler(r.name))
+            for r in resources
         ]
-        # _lock guards _registered_with and _stream_lost, written by the loop and by
-        # gRPC stream threads.
+        # _lock guards _registered_with, _registering_at and _stream_lost, written by the
+        # loop and by gRPC stream threads.
         self._lock = threading.Lock()
         self._registered_with: dict[str, tuple[int, int, int]] = {}
+        self._registering_at: dict[str, float] = {}
         self._stream_lost = False
         self._stop = threading.Event()
         self._nudge = threading.Event()
@@ -97,11 +102,15 @@ class PluginManager:
                 s.resource.name: s.resource.name in self._registered_with for s in self._servers
             }
 
-    def _stream_ended(self) -> None:
-        with self._lock:
-            if self._registered_with:
-                self._stream_lost = True
-        self._nudge.set()
+    def _stream_handler(self, name: str) -> Callable[[float], None]:
+        def ended(started: float) -> None:
+            with self._lock:
+                current = name in self._registered_with
+                if current and started >= self._registering_at.get(name, float("inf")):
+                    self._stream_lost = True
+            self._nudge.set()
+
+        return ended
 
     def _say(self, message: str) -> None:
         """Log a state of the kubelet once, not every poll."""
@@ -161,6 +170,9 @@ class PluginManager:
                 get_preferred_allocation_available=server.resource.preferred_available,
             ),
         )
+        with self._lock:
+            # Streams the kubelet opens from now on belong to this registration.
+            self._registering_at[name] = time.monotonic()
         try:
             with grpc.insecure_channel(f"unix://{self.kubelet_socket}") as channel:
                 rpc.RegistrationStub(channel).Register(request, timeout=self._register_timeout)
