@@ -21,7 +21,7 @@ from kvshare.deviceplugin.kubelet_api import HEALTHY, UNHEALTHY
 from kvshare.deviceplugin.kubelet_standin import StandInKubelet
 from kvshare.deviceplugin.slots import AllocationError, allocate, preferred_slots
 
-from .conftest import ROOT, wait_until
+from .conftest import ROOT
 
 SLOTS = names.RESOURCE_GPU
 MEMORY = names.RESOURCE_GPU_MEMORY
@@ -70,7 +70,9 @@ def test_both_resources_register_and_list_their_devices(
     assert slots.options.get_preferred_allocation_available
     assert not kubelet.endpoint(MEMORY).options.get_preferred_allocation_available
     gpus = gpus_of(agent)
-    assert sorted(kubelet.devices(SLOTS)) == sorted(f"{g.uuid}::{n}" for g in gpus for n in range(8))
+    assert sorted(kubelet.devices(SLOTS)) == sorted(
+        f"{g.uuid}::{n}" for g in gpus for n in range(8)
+    )
     assert set(kubelet.devices(SLOTS).values()) == {HEALTHY}
     # 16 GiB GPUs with 512 MiB headroom lend 15 whole GiB each.
     assert len(kubelet.devices(MEMORY)) == 2 * 15
@@ -202,8 +204,9 @@ def test_a_kubelet_refuses_a_bad_registration_with_status_unknown(short_tmp: Pat
             for version, resource in (("v1alpha", SLOTS), ("v1beta1", "kubernetes.io/gpu")):
                 with pytest.raises(grpc.RpcError) as info:
                     stub.Register(
-                        pb.RegisterRequest(version=version, endpoint="x.sock",
-                                           resource_name=resource),  # fmt: skip
+                        pb.RegisterRequest(
+                            version=version, endpoint="x.sock", resource_name=resource
+                        ),  # fmt: skip
                         timeout=10,
                     )
                 assert info.value.code() == grpc.StatusCode.UNKNOWN
