@@ -206,7 +206,7 @@ def test_a_kubelet_refuses_a_bad_registration_with_status_unknown(short_tmp: Pat
                     stub.Register(
                         pb.RegisterRequest(
                             version=version, endpoint="x.sock", resource_name=resource
-                        ),  # fmt: skip
+                        ),
                         timeout=10,
                     )
                 assert info.value.code() == grpc.StatusCode.UNKNOWN
