@@ -138,11 +138,11 @@ def agent_factory(short_tmp: Path) -> Iterator[Callable[..., AgentProcess]]:
 
 
 class PoolProcess:
-    """A pool process (``memfd_pool.py``) leasing real memory from the broker."""
+    """A worker process (``kv_pool_proc.py``): a real KVPool leasing from the broker."""
 
     def __init__(self, args: list[str]) -> None:
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "tests.deviceplugin.memfd_pool", *args],
+            [sys.executable, "-m", "tests.deviceplugin.kv_pool_proc", *args],
             cwd=ROOT,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,

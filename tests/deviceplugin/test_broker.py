@@ -4,6 +4,7 @@ pool processes holding real memfd memory through the real broker client."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import struct
@@ -53,8 +54,9 @@ def memory_watch(pools: list[PoolProcess]) -> Iterator[list[int]]:
         thread.join()
 
 
-def settled(pool: PoolProcess, held: int) -> Callable[[], bool]:
-    return lambda: pool.status()["held"] == held
+def uses(pool: PoolProcess, nbytes: int) -> Callable[[], bool]:
+    """The pool's engine has ``nbytes`` of blocks in use."""
+    return lambda: pool.status()["used"] == nbytes
 
 
 def test_two_pools_trade_memory_under_a_scripted_load_without_over_committing(
@@ -66,20 +68,24 @@ def test_two_pools_trade_memory_under_a_scripted_load_without_over_committing(
     with memory_watch([a, b]) as samples:
         # A's traffic peaks: it borrows everything B is not guaranteed.
         a.demand(BUDGET)
-        wait_until(settled(a, BUDGET - 128 * MIB), what="A to borrow the free memory")
+        wait_until(lambda: a.status()["limit"] == BUDGET - 128 * MIB, what="A to borrow")
+        wait_until(lambda: a.status()["used"] >= 1536 * MIB, what="A to use what it borrowed")
         # A's traffic drops, B's rises: A gives back, B grows into what A released.
         a.demand(256 * MIB)
         b.demand(1280 * MIB)
-        wait_until(settled(b, 1280 * MIB), what="B to grow into A's memory")
+        wait_until(uses(b, 1280 * MIB), what="B to grow into A's memory")
         # And back again: B's load drops, A's rises.
         b.demand(256 * MIB)
         a.demand(1280 * MIB)
-        wait_until(settled(a, 1280 * MIB), what="A to take the memory back")
+        wait_until(uses(a, 1280 * MIB), what="A to take the memory back")
     assert samples, "the memory watch took no samples"
     assert max(samples) <= BUDGET, f"pools held {max(samples)} > budget {BUDGET}"
     view = agent.view()
     assert view.gpus[0].unleased >= 0
     assert sum(p.charged for p in view.pools) <= BUDGET
+    for pool in (a, b):
+        status = pool.status()
+        assert status["held"] <= status["limit"]
     metrics = agent.metrics()
     assert 'kvshare_broker_reclaims_total{gpu="' in metrics
     assert "kvshare_broker_reclaim_seconds_count" in metrics
@@ -90,18 +96,17 @@ def test_a_killed_pool_returns_its_lease_within_a_second(
 ) -> None:
     agent = agent_factory(GPU_SPEC, *HEADROOM)
     victim = pool_factory(agent, "victim")
-    waiter = pool_factory(agent, "waiter")
+    waiter = pool_factory(agent, "waiter", kv_min=16 * MIB)
     victim.demand(BUDGET)
-    wait_until(settled(victim, BUDGET), what="the victim to hold the whole budget")
-    waiter.demand(512 * MIB)  # nothing free: it waits
-    assert waiter.status()["limit"] == 0
+    wait_until(lambda: victim.status()["limit"] == BUDGET - 16 * MIB, what="the victim's lease")
+    waiter.demand(512 * MIB)  # nothing unleased: it waits
+    assert waiter.status()["limit"] == 16 * MIB
     victim.kill()
     killed_at = time.monotonic()
     wait_until(lambda: "test/victim" not in agent.pools(), 10, "the lease to return")
     returned_after = time.monotonic() - killed_at
-    wait_until(settled(waiter, 512 * MIB), what="the waiter to get the freed memory")
+    wait_until(uses(waiter, 512 * MIB), what="the waiter to get the freed memory")
     assert returned_after < 1.0, f"lease returned {returned_after:.2f} s after SIGKILL"
-    assert 'kvshare_broker_departures_total{gpu="' in agent.metrics()
     departures = [
         line
         for line in agent.metrics().splitlines()
@@ -118,20 +123,23 @@ def test_broker_killed_mid_load_rebuilds_its_books_from_the_pools(
     b = pool_factory(agent, "b", kv_min=128 * MIB, priority=300)
     a.demand(768 * MIB)
     b.demand(512 * MIB)
-    wait_until(settled(a, 768 * MIB), what="A's load")
-    wait_until(settled(b, 512 * MIB), what="B's load")
+    wait_until(uses(a, 768 * MIB), what="A's load")
+    wait_until(uses(b, 512 * MIB), what="B's load")
     before = {p.name: (p.lease, p.kv_min) for p in agent.view().pools}
+    held = {p.pid: memfd_bytes(p.pid) for p in (a, b)}
 
     agent.stop(signal.SIGKILL)
-    # The pools keep their memory while the broker is away.
-    for pool in (a, b):
-        status = pool.status()
-        assert status["allocated"] == status["held"] > 0
+    # The pools keep their memory and keep serving their blocks while the broker is away.
     wait_until(lambda: not a.status()["connected"], what="A to notice the broker is gone")
+    assert {p.pid: memfd_bytes(p.pid) for p in (a, b)} == held
+    assert a.status()["used"] == 768 * MIB
     agent.start()
 
-    wait_until(lambda: len(agent.view().pools) == 2 and not agent.view().recovering,
-               what="both pools to re-declare")  # fmt: skip
+    def rebuilt() -> bool:
+        view = agent.try_view()
+        return view is not None and len(view.pools) == 2 and not view.recovering
+
+    wait_until(rebuilt, what="both pools to re-declare")
     view = agent.view()
     after = {p.name: (p.lease, p.kv_min) for p in view.pools}
     assert after == before
@@ -139,9 +147,9 @@ def test_broker_killed_mid_load_rebuilds_its_books_from_the_pools(
     assert {name: lease for name, (lease, _) in after.items()} == limits
     assert sum(lease for lease, _ in after.values()) == sum(limits.values())
     assert view.gpus[0].unleased >= 0
-    # The rebuilt broker keeps lending: A can still grow into what is free.
-    a.demand(768 * MIB + 256 * MIB)
-    wait_until(settled(a, 1024 * MIB), what="A to grow after the restart")
+    # The rebuilt broker keeps lending: A can still grow into what is unleased.
+    a.demand(1024 * MIB)
+    wait_until(uses(a, 1024 * MIB), what="A to grow after the restart")
 
 
 def _malformed_frames() -> Iterator[bytes]:
@@ -178,7 +186,7 @@ def test_a_thousand_malformed_frames_close_only_their_connections(
     agent = agent_factory(GPU_SPEC, *HEADROOM)
     a = pool_factory(agent, "a")
     a.demand(512 * MIB)
-    wait_until(settled(a, 512 * MIB), what="A's lease")
+    wait_until(uses(a, 512 * MIB), what="A's load")
     before = a.status()
     refused = 0
     for bad in _malformed_frames():
@@ -197,7 +205,7 @@ def test_a_thousand_malformed_frames_close_only_their_connections(
     assert after["connected"] and after["pool_id"] == before["pool_id"]
     assert agent.pools()["test/a"].lease == before["limit"]
     a.demand(1024 * MIB)
-    wait_until(settled(a, 1024 * MIB), what="A to keep growing")
+    wait_until(uses(a, 1024 * MIB), what="A to keep growing")
 
 
 def test_a_pool_cannot_touch_another_pools_lease(
@@ -206,7 +214,8 @@ def test_a_pool_cannot_touch_another_pools_lease(
     agent = agent_factory(GPU_SPEC, *HEADROOM)
     a = pool_factory(agent, "a")
     a.demand(1024 * MIB)
-    wait_until(settled(a, 1024 * MIB), what="A's lease")
+    wait_until(uses(a, 1024 * MIB), what="A's load")
+    a_lease = a.status()["limit"]
     a_id = a.status()["pool_id"]
     gpu = agent.gpus[0].uuid
 
@@ -242,14 +251,14 @@ def test_a_pool_cannot_touch_another_pools_lease(
                      held=BUDGET, lease=BUDGET)  # fmt: skip
     replies = converse(BROKER_CODEC.encode(impostor), BROKER_CODEC.encode(Bye()))
     assert isinstance(replies[0], Welcome)
-    assert replies[0].pool_id != a_id and replies[0].lease <= BUDGET - 1024 * MIB
+    assert replies[0].pool_id != a_id and replies[0].lease <= BUDGET - a_lease
     assert replies[0].name != "test/a"
     # A's lease and memory never moved.
     wait_until(lambda: replies[0].name not in agent.pools(), what="the impostor to leave")
     pools = agent.pools()
-    assert pools["test/a"].lease == 1024 * MIB and pools["test/a"].reclaim_target is None
+    assert pools["test/a"].lease == a_lease and pools["test/a"].reclaim_target is None
     status = a.status()
-    assert status["limit"] == status["held"] == 1024 * MIB
+    assert status["limit"] == a_lease and status["used"] == 1024 * MIB
 
 
 def test_a_pool_that_misses_the_reclaim_deadline_is_reported_not_ignored(
@@ -258,26 +267,38 @@ def test_a_pool_that_misses_the_reclaim_deadline_is_reported_not_ignored(
     agent = agent_factory(GPU_SPEC, *HEADROOM, "--reclaim-deadline", "0.5")
     hog = pool_factory(agent, "hog", priority=10)
     hog.demand(1024 * MIB)
-    wait_until(settled(hog, 1024 * MIB), what="the hog's lease")
-    hog.demand(0)  # its load is gone: a fair broker reclaims ...
-    hog.send(cmd="stubborn")  # ... but it keeps the memory (no shrink, no report)
-    hog.send(cmd="grab", bytes=1024 * MIB)
-    other = pool_factory(agent, "other", priority=500)
-    with memory_watch([hog, other]) as samples:
-        other.demand(1536 * MIB)
-        wait_until(lambda: agent.pools()["test/hog"].reclaim_overdue, what="the missed deadline")
-    metrics = agent.metrics()
-    assert 'kvshare_broker_reclaim_deadline_missed_total{gpu="' in metrics
-    assert "kvshare_pool_reclaim_overdue{" in metrics and 'pool="test/hog"} 1.0' in metrics
-    ctl = subprocess.run(
-        [sys.executable, "-m", "kvshare.cli", "ctl", "--admin-socket", str(agent.admin_socket),
-         "pools"],
-        cwd=ROOT, capture_output=True, text=True, check=True,
-    )  # fmt: skip
-    assert "OVERDUE" in ctl.stdout
-    # The memory it kept was never handed to the other pool.
-    assert max(samples) <= BUDGET
-    assert other.status()["limit"] <= BUDGET - 1024 * MIB
+    wait_until(uses(hog, 1024 * MIB), what="the hog's load")
+    hog.demand(0)  # its load is gone, its lease stays: a fair broker reclaims it ...
+    wait_until(uses(hog, 0), what="the hog to free its blocks")
+    hog_lease = hog.status()["limit"]
+    os.kill(hog.pid, signal.SIGSTOP)  # ... but the hog hangs and never answers
+    try:
+        other = pool_factory(agent, "other", priority=500)
+        with memory_watch([hog, other]) as samples:
+            other.demand(1536 * MIB)
+            wait_until(lambda: agent.pools()["test/hog"].reclaim_overdue, what="the deadline")
+            # The memory still charged to the hog is never handed to the other pool.
+            assert agent.pools()["test/other"].lease <= BUDGET - hog_lease
+        metrics = agent.metrics()
+        assert 'kvshare_broker_reclaim_deadline_missed_total{gpu="' in metrics
+        overdue = [
+            line
+            for line in metrics.splitlines()
+            if line.startswith("kvshare_pool_reclaim_overdue{") and 'pool="test/hog"' in line
+        ]
+        assert overdue and overdue[0].endswith(" 1.0")
+        ctl = subprocess.run(
+            [sys.executable, "-m", "kvshare.cli", "ctl", "--admin-socket",
+             str(agent.admin_socket), "pools"],
+            cwd=ROOT, capture_output=True, text=True, check=True,
+        )  # fmt: skip
+        assert "OVERDUE" in ctl.stdout
+        assert max(samples) <= BUDGET
+    finally:
+        os.kill(hog.pid, signal.SIGCONT)
+    # Late is better than never: the release completes the reclaim and clears the flag.
+    wait_until(lambda: not agent.pools()["test/hog"].reclaim_overdue, what="the late release")
+    wait_until(uses(other, 1536 * MIB), what="the other pool to grow")
 
 
 def test_a_pool_holding_more_than_its_lease_is_flagged_by_the_audit(
@@ -286,18 +307,19 @@ def test_a_pool_holding_more_than_its_lease_is_flagged_by_the_audit(
     agent = agent_factory(GPU_SPEC, *HEADROOM, "--audit-interval", "0.1")
     greedy = pool_factory(agent, "greedy")
     greedy.demand(256 * MIB)
-    wait_until(settled(greedy, 256 * MIB), what="its lease")
-    greedy.send(cmd="grab", bytes=256 * MIB + 4 * MIB)  # two pages over
+    wait_until(uses(greedy, 256 * MIB), what="its load")
+    status = greedy.status()
+    room = status["limit"] - status["held"]
+    greedy.send(cmd="grab", bytes=room + 4 * MIB)  # two pages more than the lease allows
     wait_until(lambda: agent.pools()["test/greedy"].over_lease, what="the audit to flag it")
-    pool = agent.pools()["test/greedy"]
-    assert pool.device_bytes == 260 * MIB
+    assert agent.pools()["test/greedy"].device_bytes == status["limit"] + 4 * MIB
     flagged = [
         line
         for line in agent.metrics().splitlines()
         if line.startswith("kvshare_pool_over_lease{") and 'pool="test/greedy"' in line
     ]
     assert flagged and flagged[0].endswith(" 1.0")
-    greedy.send(cmd="grab", bytes=256 * MIB + 2 * MIB)  # within a page of the lease
+    greedy.send(cmd="grab", bytes=room)  # back within the lease
     wait_until(lambda: not agent.pools()["test/greedy"].over_lease, what="the flag to clear")
 
 
@@ -337,16 +359,23 @@ def test_admin_sets_a_max_and_drains_a_gpu(
     agent = agent_factory(GPU_SPEC, *HEADROOM)
     a = pool_factory(agent, "a", kv_min=128 * MIB)
     a.demand(1024 * MIB)
-    wait_until(settled(a, 1024 * MIB), what="A's lease")
+    wait_until(uses(a, 1024 * MIB), what="A's load")
+    a.demand(256 * MIB)
+    wait_until(uses(a, 256 * MIB), what="A's load to drop")
     agent.admin(AdminRequest(op="set-max", pool="test/a", size=512 * MIB))
-    wait_until(settled(a, 512 * MIB), what="A to shrink to its new max")
-    assert agent.pools()["test/a"].kv_max == 512 * MIB
+    wait_until(lambda: a.status()["limit"] == 512 * MIB, what="A's lease to follow its max")
+    wait_until(lambda: agent.pools()["test/a"].reclaim_target is None, what="A to release")
+    assert a.status()["held"] <= 512 * MIB and agent.pools()["test/a"].kv_max == 512 * MIB
+    a.demand(64 * MIB)
     agent.admin(AdminRequest(op="drain", gpu="0"))
-    wait_until(settled(a, 128 * MIB), what="A to shrink to its min")
-    refused = pool_factory(agent, "late")
-    assert refused.error is not None and "draining" in refused.error
+    wait_until(lambda: a.status()["limit"] == 128 * MIB, what="A's lease down to its min")
+    wait_until(lambda: agent.pools()["test/a"].reclaim_target is None, what="A to release")
+    late = pool_factory(agent, "late")
+    assert late.error is not None and "draining" in late.error
     agent.admin(AdminRequest(op="undrain", gpu="0"))
-    wait_until(settled(a, 512 * MIB), what="A to grow back to its max")
+    a.demand(448 * MIB)
+    wait_until(uses(a, 448 * MIB), what="A to grow again, up to its max")
+    assert a.status()["limit"] <= 512 * MIB
 
 
 def test_sigterm_stops_the_agent_cleanly_and_removes_its_sockets(
