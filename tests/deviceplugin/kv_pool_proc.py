@@ -100,7 +100,7 @@ def main() -> int:
     geometry = KVGeometry(num_buffers=1, block_bytes=PAGE, num_blocks=args.blocks + 1,
                           page_size=PAGE)  # fmt: skip
     try:
-        pool = KVPool(geometry, open_backend("host"), lease, lease_chunk_bytes=16 * PAGE)
+        pool = KVPool(geometry, open_backend("host"), lease)
     except Exception as exc:
         print(json.dumps({"error": str(exc)}), flush=True)
         return 3

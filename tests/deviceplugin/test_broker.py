@@ -125,14 +125,17 @@ def test_broker_killed_mid_load_rebuilds_its_books_from_the_pools(
     b.demand(512 * MIB)
     wait_until(uses(a, 768 * MIB), what="A's load")
     wait_until(uses(b, 512 * MIB), what="B's load")
-    before = {p.name: (p.lease, p.kv_min) for p in agent.view().pools}
-    held = {p.pid: memfd_bytes(p.pid) for p in (a, b)}
+    mins = {p.name: p.kv_min for p in agent.view().pools}
 
     agent.stop(signal.SIGKILL)
-    # The pools keep their memory and keep serving their blocks while the broker is away.
-    wait_until(lambda: not a.status()["connected"], what="A to notice the broker is gone")
-    assert {p.pid: memfd_bytes(p.pid) for p in (a, b)} == held
-    assert a.status()["used"] == 768 * MIB
+    # The pools keep their memory, leases and blocks while the broker is away.
+    for pool in (a, b):
+        wait_until(lambda p=pool: not p.status()["connected"], what="the pools to notice")
+    down = {s["name"]: s for s in (a.status(), b.status())}
+    for pool in (a, b):
+        status = pool.status()
+        assert status["limit"] == down[status["name"]]["limit"]
+        assert (memfd_bytes(pool.pid) or 0) >= status["used"] > 0
     agent.start()
 
     def rebuilt() -> bool:
@@ -141,11 +144,10 @@ def test_broker_killed_mid_load_rebuilds_its_books_from_the_pools(
 
     wait_until(rebuilt, what="both pools to re-declare")
     view = agent.view()
-    after = {p.name: (p.lease, p.kv_min) for p in view.pools}
-    assert after == before
-    limits = {s["name"]: s["limit"] for s in (a.status(), b.status())}
-    assert {name: lease for name, (lease, _) in after.items()} == limits
-    assert sum(lease for lease, _ in after.values()) == sum(limits.values())
+    # The books are rebuilt from what the pools declared: same leases, same minimums.
+    assert {p.name: p.lease for p in view.pools} == {n: s["limit"] for n, s in down.items()}
+    assert {p.name: p.kv_min for p in view.pools} == mins
+    assert sum(p.lease for p in view.pools) == sum(s["limit"] for s in down.values())
     assert view.gpus[0].unleased >= 0
     # The rebuilt broker keeps lending: A can still grow into what is unleased.
     a.demand(1024 * MIB)
