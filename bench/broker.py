@@ -36,9 +36,11 @@ def client_main(socket_path: str, gpu: str, requests: int, interval_s: float, se
     from kvshare.runtime.broker_client import BrokerLease, PoolIdentity, PoolPolicy
 
     granted = threading.Event()
+    granted_at = [0.0]
 
     class Holder:
         def lease_changed(self, limit: int) -> None:
+            granted_at[0] = time.perf_counter()  # the moment the pool learns of the grant
             granted.set()
 
     lease = BrokerLease(
@@ -60,7 +62,7 @@ def client_main(socket_path: str, gpu: str, requests: int, interval_s: float, se
         lease.want(lease.limit() + 1)
         if not granted.wait(10):
             raise SystemExit("no grant within 10 s")
-        samples.append((time.perf_counter() - start) * 1e6)
+        samples.append((granted_at[0] - start) * 1e6)
     lease.close()
     print(json.dumps(samples), flush=True)
 
@@ -93,8 +95,9 @@ class Agent:
 
 
 def _spawn(args: list[str]) -> subprocess.Popen[str]:
+    # -P: bench/ must not come first on sys.path (bench/operator.py would shadow `operator`).
     return subprocess.Popen(
-        [sys.executable, __file__, *args],
+        [sys.executable, "-P", __file__, *args],
         cwd=ROOT,
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
@@ -107,7 +110,9 @@ def measure_grants(pools: int, requests: int, interval_s: float) -> tuple[list[f
     agent = Agent("1x1024Gi")
     try:
         clients = [
-            _spawn(["--client", str(agent.socket), agent.gpu, str(requests), str(interval_s), str(i)])
+            _spawn(
+                ["--client", str(agent.socket), agent.gpu, str(requests), str(interval_s), str(i)]
+            )
             for i in range(pools)
         ]
         for client in clients:

@@ -199,8 +199,9 @@ class BrokerLease(LeaseSource):
     """A lease brokered by the node agent (see the module docstring).
 
     Thread-safety: :meth:`limit`, :meth:`want` and :meth:`report` may be called from any
-    thread and never block on I/O; the holder is called back on the ``kvshare-lease``
-    thread.
+    thread and never block on I/O (a wish is written to the socket at once when that
+    does not block, else by the lease thread); the holder is called back on the
+    ``kvshare-lease`` thread.
     """
 
     def __init__(
@@ -228,8 +229,8 @@ class BrokerLease(LeaseSource):
         self._reconnect = (reconnect_initial_s, reconnect_max_s)
         self._report_interval = report_interval_s
 
-        # _lock guards everything below that both the pool's threads and the lease
-        # thread touch: the wish (_asked), the latest usage, the pending reclaim ack.
+        # _lock guards the state the pool's threads and the lease thread share: the
+        # limit's updates, the wish (_asked), the latest usage, the pending reclaim ack.
         self._lock = threading.Lock()
         self._limit = 0
         self._asked = 0
@@ -238,16 +239,20 @@ class BrokerLease(LeaseSource):
         self._pending: _PendingAck | None = None
         self._closed = False
         self._wake_queued = False
+        # _send_lock guards the socket's writing side: _sock, _outbox (bytes not yet
+        # accepted by the socket), _seq and _sent_want. Never taken with _lock held.
+        self._send_lock = threading.Lock()
+        self._sock: socket.socket | None = None
+        self._outbox = bytearray()
+        self._seq = 0
+        self._sent_want = 0
 
         # Owned by the lease thread once it runs (by attach() before that).
         self._holder: LeaseHolder | None = None
-        self._sock: socket.socket | None = None
         self._reader = FrameReader()
         self._backlog: list[Message] = []
-        self._sent_want = 0
         self._sent_reports = 0
         self._last_report_at = 0.0
-        self._seq = 0
         self._pool_id = 0
         self._name = ""
         self._wake_r, self._wake_w = os.pipe()
@@ -292,7 +297,8 @@ class BrokerLease(LeaseSource):
             if target <= max(self._limit, self._asked) or self._closed:
                 return
             self._asked = target
-        self._wake()
+        # The round trip starts here, not after a hop to the lease thread.
+        self._send_want()
 
     def report(self, usage: PoolUsage) -> None:
         """Record what the pool holds; the lease thread sends it (coalesced)."""
@@ -310,12 +316,13 @@ class BrokerLease(LeaseSource):
         self._wake()
         if self._thread is not None:
             self._thread.join(timeout=5)
-        sock = self._sock
-        self._sock = None
-        if sock is not None:
-            with contextlib.suppress(OSError):
-                sock.sendall(BROKER_CODEC.encode(Bye()))
-            sock.close()
+        with self._send_lock:
+            sock, self._sock = self._sock, None
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    sock.settimeout(1.0)
+                    sock.sendall(bytes(self._outbox) + BROKER_CODEC.encode(Bye()))
+                sock.close()
         self._close_pipe()
 
     # --- extras -------------------------------------------------------------------------
@@ -376,14 +383,60 @@ class BrokerLease(LeaseSource):
         if not isinstance(answer, Welcome):
             sock.close()
             raise BrokerUnavailableError(f"unexpected {answer.TYPE!r} from the broker")
-        self._sock = sock
+        sock.setblocking(False)
+        with self._send_lock:
+            self._sock = sock
+            self._outbox.clear()
+            self._sent_want = 0
         self._reader = reader
         self._backlog = backlog
         self._pool_id, self._name = answer.pool_id, answer.name
-        self._sent_want = 0
         self._sent_reports = 0
         self._connected.set()
         return answer
+
+    def _send_want(self) -> None:
+        """Send the wish if it grew past what was last asked (any thread)."""
+        with self._lock:
+            asked, limit = self._asked, self._limit
+        with self._send_lock:
+            if self._sock is None or asked <= limit or asked <= self._sent_want:
+                return
+            self._seq += 1
+            self._sent_want = asked
+            self._queue(BROKER_CODEC.encode(Want(seq=self._seq, total=asked)))
+
+    def _queue(self, data: bytes) -> None:
+        """Write ``data`` now as far as the socket takes it without blocking; the lease
+        thread writes the rest. ``_send_lock`` held."""
+        sock = self._sock
+        if sock is None:
+            return
+        if not self._outbox:
+            try:
+                sent = sock.send(data)
+            except BlockingIOError:
+                sent = 0
+            except OSError:
+                sent = 0  # the lease thread sees the broken connection when it reads
+            data = data[sent:]
+        if data:
+            self._outbox += data
+            self._wake()
+
+    def _flush(self) -> None:
+        """Write what the socket did not take yet (lease thread)."""
+        with self._send_lock:
+            sock = self._sock
+            if sock is None or not self._outbox:
+                return
+            try:
+                sent = sock.send(self._outbox)
+            except BlockingIOError:
+                return
+            except OSError:
+                return  # seen by the next read
+            del self._outbox[:sent]
 
     def _wake(self) -> None:
         # One byte is enough to wake the thread: skip the syscall while one is queued.
@@ -403,38 +456,51 @@ class BrokerLease(LeaseSource):
     def _run(self) -> None:
         selector = selectors.DefaultSelector()
         selector.register(self._wake_r, selectors.EVENT_READ, "wake")
-        if self._sock is not None:
-            selector.register(self._sock, selectors.EVENT_READ, "sock")
-            if not self._handle(self._take_backlog()):
-                selector.unregister(self._sock)
-                self._disconnected()
+        watched: tuple[socket.socket, int] | None = None  # the socket in the selector, its mask
+
+        def drop() -> None:
+            nonlocal watched
+            if watched is not None:
+                selector.unregister(watched[0])
+                watched = None
+            self._disconnected()
+
         backoff = self._reconnect[0]
         next_connect = 0.0
         try:
+            if not self._handle(self._take_backlog()):
+                drop()
             while not self._closed:
                 now = time.monotonic()
                 if self._sock is None and now >= next_connect:
-                    sock = self._try_reconnect()
-                    if sock is not None:
-                        selector.register(sock, selectors.EVENT_READ, "sock")
+                    if self._try_reconnect() is not None:
                         backoff = self._reconnect[0]
                         if not self._handle(self._take_backlog()):
-                            selector.unregister(sock)
-                            self._disconnected()
+                            drop()
                     else:
                         next_connect = now + backoff * random.uniform(0.5, 1.0)
                         backoff = min(backoff * 2, self._reconnect[1])
                 timeout = self._send_due(now)
-                if self._sock is None:
+                sock = self._sock
+                if sock is None:
                     timeout = min(timeout, max(next_connect - now, 0.0))
-                for key, _ in selector.select(timeout):
+                else:
+                    mask = selectors.EVENT_READ | (selectors.EVENT_WRITE if self._outbox else 0)
+                    if watched is None:
+                        selector.register(sock, mask, "sock")
+                    elif watched != (sock, mask):
+                        selector.modify(sock, mask, "sock")
+                    watched = (sock, mask)
+                for key, events in selector.select(timeout):
                     if key.data == "wake":
                         self._wake_queued = False
                         with contextlib.suppress(BlockingIOError):
                             os.read(self._wake_r, 4096)
-                    elif not self._receive():
-                        selector.unregister(key.fileobj)
-                        self._disconnected()
+                        continue
+                    if events & selectors.EVENT_WRITE:
+                        self._flush()
+                    if events & selectors.EVENT_READ and not self._receive():
+                        drop()
         except Exception:
             log.exception("kvshare lease thread failed; the lease stays at its last value")
         finally:
@@ -458,62 +524,49 @@ class BrokerLease(LeaseSource):
         return backlog
 
     def _disconnected(self) -> None:
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
+        """Forget the connection (the lease thread has stopped watching its socket)."""
+        with self._send_lock:
+            sock, self._sock = self._sock, None
+            self._outbox.clear()
+        if sock is not None:
+            sock.close()
         self._connected.clear()
         with self._lock:
             self._pending = None  # a new broker re-declares from what we hold now
         if not self._closed:
-            log.warning(
-                "lost the broker connection; keeping lease %d and reconnecting", self._limit
-            )
+            log.warning("lost the broker; keeping lease %d and reconnecting", self._limit)
 
     def _send_due(self, now: float) -> float:
         """Send the wish, a report or a reclaim acknowledgement if due; returns how long
-        the thread may sleep before something else falls due."""
-        sock = self._sock
-        if sock is None:
-            return 0.5
+        the thread may sleep before a rate-limited report falls due."""
+        self._send_want()
         with self._lock:
-            asked, limit = self._asked, self._limit
             usage, reports, pending = self._usage, self._reports, self._pending
-        messages: list[Message] = []
-        if asked > limit and asked > self._sent_want:
-            self._seq += 1
-            messages.append(Want(seq=self._seq, total=asked))
-            self._sent_want = asked
-        ack = 0
-        sleep = 0.5
+        if usage is None or self._sock is None:
+            return 0.5
         fresh = pending is not None and reports > pending.reports_at_change
-        if pending is not None and usage is not None and fresh and usage.held <= pending.limit:
-            ack = pending.seq
-        if usage is not None and (ack or reports != self._sent_reports):
-            wait = self._last_report_at + self._report_interval - now
-            if ack or wait <= 0:
-                messages.append(
-                    Report(
-                        mapped=usage.mapped,
-                        used=usage.used,
-                        cached=usage.cached,
-                        reserved=usage.reserved,
-                        ack=ack,
-                    )
-                )
-                self._sent_reports = reports
-                self._last_report_at = now
-                if ack:
-                    with self._lock:
-                        if self._pending is pending:
-                            self._pending = None
-            else:
-                sleep = min(sleep, wait)
-        if messages:
-            try:
-                sock.sendall(b"".join(BROKER_CODEC.encode(m) for m in messages))
-            except OSError:
-                self._disconnected()
-        return sleep
+        ack = pending.seq if pending is not None and fresh and usage.held <= pending.limit else 0
+        if not ack and reports == self._sent_reports:
+            return 0.5
+        wait = self._last_report_at + self._report_interval - now
+        if not ack and wait > 0:
+            return wait
+        report = Report(
+            mapped=usage.mapped,
+            used=usage.used,
+            cached=usage.cached,
+            reserved=usage.reserved,
+            ack=ack,
+        )
+        with self._send_lock:
+            self._queue(BROKER_CODEC.encode(report))
+        self._sent_reports = reports
+        self._last_report_at = now
+        if ack:
+            with self._lock:
+                if self._pending is pending:
+                    self._pending = None
+        return 0.5
 
     def _receive(self) -> bool:
         """Handle what the broker sent; False when the connection is gone."""
@@ -566,7 +619,8 @@ class BrokerLease(LeaseSource):
             self._asked = min(self._asked, reclaim.limit)
             pending.reports_at_change = self._reports
             self._pending = pending
-        self._sent_want = min(self._sent_want, reclaim.limit)
+        with self._send_lock:
+            self._sent_want = min(self._sent_want, reclaim.limit)
         if self._holder is not None:
             self._holder.lease_changed(reclaim.limit)
 
