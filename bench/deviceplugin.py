@@ -18,7 +18,6 @@ import time
 from pathlib import Path
 
 from harness import Result, Target, percentile
-
 from kvshare.api import names
 from kvshare.deviceplugin.agent import AgentConfig, NodeAgent
 from kvshare.deviceplugin.kubelet_standin import StandInKubelet

@@ -392,3 +392,45 @@ def test_an_engine_that_skipped_its_turn_makes_the_broker_reclaim_room_for_its_w
     assert books.view(1.0).gpus[0].unleased < 0  # the weights are on the GPU already
     asked = reclaims(late.sends)
     assert asked[borrower].limit <= 14 * GIB - 5 * GIB
+
+
+def test_a_reclaim_below_blocks_that_went_into_use_asks_for_what_can_be_given() -> None:
+    events = RecordingEvents()
+    books = Books([GPU], headroom=GIB, reclaim_deadline_s=5.0, events=events)
+    a = admit(books, "a", 10, priority=1)
+    books.want(a, 1, 8 * GIB, 0.0)
+    books.report(a, Report(mapped=GIB, used=GIB, cached=0, reserved=0), 0.0)
+    b = admit(books, "b", 11, priority=500)
+    asked = reclaims(books.want(b, 1, 8 * GIB, 1.0))[a]
+    # Meanwhile A's engine filled 3 GiB of blocks under its old lease.
+    used = asked.limit + GIB
+    again = reclaims(books.report(a, Report(mapped=used, used=used, cached=0, reserved=0), 2.0))
+    assert again[a].limit == used and again[a].seq != asked.seq
+    assert again[a].deadline_s == pytest.approx(5.0 - 1.0)  # the first deadline still holds
+    granted = leases(ack(books, a, again[a], 3.0))
+    assert granted[b] > books.pool(b).kv_min  # type: ignore[union-attr]
+    assert events.overdue == []
+
+
+def test_an_unknown_pool_re_declaring_memory_gets_only_unleased_memory() -> None:
+    books = Books([GPU], headroom=GIB)
+    a = admit(books, "a", 10)
+    books.want(a, 1, 8 * GIB, 0.0)
+    claim = hello("a", resume=True, held=11 * GIB, lease=11 * GIB)  # never admitted here
+    impostor = books.admit(claim, 99, 1.0)
+    assert impostor.record is not None and impostor.record.id != a
+    assert impostor.record.lease <= books.view(1.0).gpus[0].unleased + impostor.record.lease
+    assert reclaims(impostor.sends).keys() == {impostor.record.id}  # asked to shrink itself
+    assert books.pool(a).lease == 8 * GIB and books.pool(a).reclaim is None  # type: ignore[union-attr]
+    books.check()
+
+
+def test_draining_refuses_engines_waiting_for_their_turn() -> None:
+    books = Books([GPU], headroom=GIB)
+    books.turn_request(1, TurnRequest(seq=1, gpu=GPU.uuid, static=GIB), 100, 0.0)
+    books.turn_request(2, TurnRequest(seq=1, gpu=GPU.uuid, static=GIB), 101, 0.0)
+    sends = books.set_draining(GPU.uuid, True, 1.0)
+    refused = [s for s in sends if isinstance(s.message, TurnRefused)]
+    assert [s.key for s in refused] == [2] and "draining" in refused[0].message.reason
+    # The engine that already holds its turn may still finish starting.
+    assert admit(books, "starting", 100, static=GIB, kv_min=0) > 0

@@ -99,8 +99,9 @@ class Hello(Message):
     """A pool introduces itself: who it is, where it runs, and its lease policy.
 
     ``resume`` is set when a pool that already holds memory reconnects (after a broker
-    restart or a lost connection); ``held`` and ``lease`` then re-declare what it holds
-    and the lease it had, and the broker rebuilds its books from them.
+    restart or a lost connection); ``held``, ``used`` and ``lease`` then re-declare what
+    it holds, how much of that holds blocks in use, and the lease it had, and the broker
+    rebuilds its books from them.
     """
 
     TYPE: ClassVar[str] = "hello"
@@ -120,6 +121,7 @@ class Hello(Message):
     engine: str = ""
     resume: bool = False
     held: int = 0
+    used: int = 0
     lease: int = 0
 
 

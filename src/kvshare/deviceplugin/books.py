@@ -448,12 +448,14 @@ class Books:
         return self._admit_new(gpu, hello, pid, now)
 
     def _admit_new(self, gpu: _Gpu, hello: Hello, pid: int, now: float) -> Admission:
-        if gpu.draining or not gpu.healthy:
+        turn = self._matching_turn(gpu, hello, pid)
+        # An engine that got its start-up turn before a drain or a health change has its
+        # room reserved: it may finish starting.
+        if turn is None and (gpu.draining or not gpu.healthy):
             state = "draining" if gpu.draining else "unhealthy"
             reason = f"GPU {gpu.info.index} ({gpu.info.uuid}) is {state}: it takes no new pools"
             self._events.refused(hello.gpu, state)
             return Admission(None, reason, [])
-        turn = self._matching_turn(gpu, hello, pid)
         credit = turn.reserved_static + turn.reserved_min if turn else 0
         kv_min = _align_up(hello.kv_min, hello.page_size)
         if hello.static + kv_min > gpu.placement_free + credit:
@@ -495,7 +497,7 @@ class Books:
             )
         if hello.page_size <= 0 or hello.page_size % 4096:
             return f"policy: page size {hello.page_size} is not a positive multiple of 4096"
-        if min(hello.kv_min, hello.static, hello.held, hello.lease, hello.rank) < 0:
+        if min(hello.kv_min, hello.static, hello.held, hello.used, hello.lease, hello.rank) < 0:
             return "policy: sizes and rank must be >= 0"
         if hello.tp_size < 1:
             return "policy: tensor-parallel size must be >= 1"
@@ -545,7 +547,7 @@ class Books:
             home.expected_min -= expected.kv_min
         lease = _align_up(max(hello.lease, hello.held), hello.page_size)
         record = self._add(gpu, hello, pid, now, lease=lease)
-        record.usage = Report(mapped=hello.held, used=0, cached=0, reserved=0)
+        record.usage = Report(mapped=hello.held, used=hello.used, cached=0, reserved=0)
         record.want = lease
         self._recharge(gpu, record)
         if gpu.unleased < 0:
@@ -737,6 +739,18 @@ class Books:
         self._recharge(gpu, pool)
         if acknowledged:
             return self._serve(gpu, now)
+        pending = pool.reclaim
+        if pending is not None and report.used > pending.target:
+            # Blocks went into use before the pool learnt of the reclaim: a pool never
+            # frees those, so ask for what it can give (same deadline) instead of letting
+            # it miss the deadline.
+            target = min(_align_up(report.used, pool.page), pending.from_bytes)
+            if target > pending.target:
+                return [
+                    self._reclaim(
+                        gpu, pool, target, now, "blocks in use", deadline=pending.deadline
+                    )
+                ]
         if not self.recovering and self._waiting(gpu):
             # Usage moved: what other pools may be asked to give back moved with it.
             return self._rebalance(gpu, now)
@@ -868,7 +882,16 @@ class Books:
             need -= take
         return sends
 
-    def _reclaim(self, gpu: _Gpu, pool: PoolRecord, target: int, now: float, reason: str) -> Send:
+    def _reclaim(
+        self,
+        gpu: _Gpu,
+        pool: PoolRecord,
+        target: int,
+        now: float,
+        reason: str,
+        *,
+        deadline: float | None = None,
+    ) -> Send:
         seq = self._next_seq
         self._next_seq += 1
         previous = pool.reclaim
@@ -877,7 +900,7 @@ class Books:
             target=target,
             from_bytes=previous.from_bytes if previous else pool.lease,
             issued_at=previous.issued_at if previous else now,
-            deadline=now + self._reclaim_deadline_s,
+            deadline=deadline if deadline is not None else now + self._reclaim_deadline_s,
         )
         pool.lease = target
         # The pool asks again if it still needs more; until then it is not waiting.
@@ -886,11 +909,8 @@ class Books:
         self._recharge(gpu, pool)
         self._events.reclaim_issued(pool.gpu)
         log.debug("reclaim %d: pool %s down to %s (%s)", seq, pool.name, _size(target), reason)
-        return Send(
-            "pool",
-            pool.id,
-            Reclaim(seq=seq, limit=target, deadline_s=self._reclaim_deadline_s, reason=reason),
-        )
+        left = max(pool.reclaim.deadline - now, 0.0)
+        return Send("pool", pool.id, Reclaim(seq=seq, limit=target, deadline_s=left, reason=reason))
 
     # --- timers -------------------------------------------------------------------------
 
@@ -1069,6 +1089,10 @@ class Books:
         gpu.draining = draining
         sends: list[Send] = []
         if draining:
+            while gpu.queue:  # engines not started yet: start them elsewhere
+                waiter = gpu.queue.popleft()
+                reason = f"GPU {gpu.info.index} is draining: it takes no new engines"
+                sends.append(Send("turn", waiter.key, TurnRefused(waiter.request.seq, reason)))
             for pool in gpu.pools.values():
                 if pool.lease > pool.kv_min and (
                     pool.reclaim is None or pool.reclaim.target > pool.kv_min

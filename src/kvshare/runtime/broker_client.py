@@ -363,6 +363,7 @@ class BrokerLease(LeaseSource):
             engine=identity.engine,
             resume=resume,
             held=usage.held if usage and resume else 0,
+            used=usage.used if usage and resume else 0,
             lease=self._limit if resume else 0,
         )
 
