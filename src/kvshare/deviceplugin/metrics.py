@@ -226,6 +226,7 @@ class NodeMetrics(NullEvents):
             registry=reg,
         )
         reg.register(_BooksCollector(self._view))
+        self._grant_children: dict[str, tuple[Any, Any]] = {}
 
     def set_source(self, source: Callable[[], BooksView | None]) -> None:
         """Where the per-GPU and per-pool gauges come from (the broker's view)."""
@@ -237,9 +238,15 @@ class NodeMetrics(NullEvents):
     # --- BrokerEvents -------------------------------------------------------------------
 
     def granted(self, gpu: str, nbytes: int) -> None:
-        """Count a grant."""
-        self.grants.labels(gpu).inc()
-        self.granted_bytes.labels(gpu).inc(nbytes)
+        """Count a grant (on the broker's hot path: the labelled children are cached)."""
+        children = self._grant_children.get(gpu)
+        if children is None:
+            children = self._grant_children[gpu] = (
+                self.grants.labels(gpu),
+                self.granted_bytes.labels(gpu),
+            )
+        children[0].inc()
+        children[1].inc(nbytes)
 
     def denied(self, gpu: str, reason: str) -> None:
         """Count a denial."""
