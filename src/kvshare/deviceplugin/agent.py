@@ -175,13 +175,19 @@ class NodeAgent:
         self._pods.start()
 
     def _start_device_plugin(self) -> None:
-        from kvshare.deviceplugin.plugin import (
-            DeviceWatch,
-            GpuMemoryResource,
-            GpuSlotResource,
-            NodeView,
-        )
-        from kvshare.deviceplugin.registration import PluginManager
+        try:
+            from kvshare.deviceplugin.plugin import (
+                DeviceWatch,
+                GpuMemoryResource,
+                GpuSlotResource,
+                NodeView,
+            )
+            from kvshare.deviceplugin.registration import PluginManager
+        except ImportError as exc:
+            # A build without the generated kubelet API stubs: the broker and the metrics
+            # still serve (as without a kubelet), but say loudly what is missing.
+            log.error("the device plugin is off: %s", exc)
+            return
 
         config = self.config
         assert self.broker is not None and self.inventory is not None

@@ -25,7 +25,7 @@ from prometheus_client.registry import Collector
 from kvshare.deviceplugin.books import NullEvents, PoolRecord
 from kvshare.deviceplugin.views import BooksView, GpuView, PoolView
 
-__all__ = ["MetricsServer", "NodeMetrics", "metric_names", "registry"]
+__all__ = ["MetricsServer", "NodeMetrics", "markdown_table", "metric_names", "registry"]
 
 log = logging.getLogger(__name__)
 
@@ -146,87 +146,90 @@ class NodeMetrics(NullEvents):
     def __init__(self, source: Callable[[], BooksView | None] | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self._source = source
-        reg = self.registry
-        self.grants = Counter(
-            "kvshare_broker_grants", "Lease grants (each Want or serve that grew a lease).",
-            ("gpu",), registry=reg,
-        )  # fmt: skip
-        self.granted_bytes = Counter(
-            "kvshare_broker_granted_bytes", "Bytes of lease granted.", ("gpu",), registry=reg
+        #: Family name -> label names of the event metrics (for the README's table).
+        self.labelnames: dict[str, tuple[str, ...]] = {}
+        self.grants = self._counter(
+            "kvshare_broker_grants", "Lease grants (each Want or serve that grew a lease).", "gpu"
         )
-        self.denials = Counter(
+        self.granted_bytes = self._counter(
+            "kvshare_broker_granted_bytes", "Bytes of lease granted.", "gpu"
+        )
+        self.denials = self._counter(
             "kvshare_broker_denials",
             "Wants that got nothing right away, by reason (full, waiting, max, draining, "
             "reclaiming, recovering, unhealthy).",
-            ("gpu", "reason"),
-            registry=reg,
+            "gpu",
+            "reason",
         )
-        self.reclaims = Counter(
-            "kvshare_broker_reclaims", "Reclaims sent to pools.", ("gpu",), registry=reg
-        )
-        self.reclaim_seconds = Histogram(
+        self.reclaims = self._counter("kvshare_broker_reclaims", "Reclaims sent to pools.", "gpu")
+        self.reclaim_seconds = self._histogram(
             "kvshare_broker_reclaim_seconds",
             "Time from a reclaim to the pool's acknowledgement that it released the memory.",
-            ("gpu",),
-            buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
-            registry=reg,
+            (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+            "gpu",
         )
-        self.deadline_missed = Counter(
+        self.deadline_missed = self._counter(
             "kvshare_broker_reclaim_deadline_missed",
             "Reclaims whose pool did not release the memory by the deadline.",
-            ("gpu", "namespace", "pod", "pool"),
-            registry=reg,
+            "gpu",
+            "namespace",
+            "pod",
+            "pool",
         )
-        self.admissions = Counter(
+        self.admissions = self._counter(
             "kvshare_broker_admissions",
             "Pool hellos by result (admitted, resumed, or the refusal reason).",
-            ("gpu", "result"),
-            registry=reg,
+            "gpu",
+            "result",
         )
-        self.departures = Counter(
+        self.departures = self._counter(
             "kvshare_broker_departures",
             "Pools that left, by how (bye, process exited, connection closed).",
-            ("gpu", "reason"),
-            registry=reg,
+            "gpu",
+            "reason",
         )
-        self.protocol_errors = Counter(
-            "kvshare_broker_protocol_errors",
-            "Connections closed for breaking the protocol.",
-            registry=reg,
+        self.protocol_errors = self._counter(
+            "kvshare_broker_protocol_errors", "Connections closed for breaking the protocol."
         )
         self.plugin_registered = Gauge(
             "kvshare_deviceplugin_registered",
             "1 while the resource is registered with the kubelet.",
             ("resource",),
-            registry=reg,
+            registry=self.registry,
         )
-        self.plugin_registrations = Counter(
+        self.labelnames["kvshare_deviceplugin_registered"] = ("resource",)
+        self.plugin_registrations = self._counter(
             "kvshare_deviceplugin_registrations",
             "Registrations with the kubelet, by result.",
-            ("resource", "result"),
-            registry=reg,
+            "resource",
+            "result",
         )
-        self.allocations = Counter(
-            "kvshare_deviceplugin_allocations",
-            "Allocate calls by result.",
-            ("resource", "result"),
-            registry=reg,
+        self.allocations = self._counter(
+            "kvshare_deviceplugin_allocations", "Allocate calls by result.", "resource", "result"
         )
-        self.allocate_seconds = Histogram(
+        self.allocate_seconds = self._histogram(
             "kvshare_deviceplugin_allocate_seconds",
             "Time to answer an Allocate call.",
-            ("resource",),
-            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.05, 0.1, 1),
-            registry=reg,
+            (0.0005, 0.001, 0.002, 0.005, 0.01, 0.05, 0.1, 1),
+            "resource",
         )
-        self.kvsharenode_writes = Counter(
+        self.kvsharenode_writes = self._counter(
             "kvshare_kvsharenode_writes",
             "KVShareNode writes to the Kubernetes API, by result.",
-            ("result",),
-            registry=reg,
+            "result",
         )
-        reg.register(_BooksCollector(self._view))
+        self.registry.register(_BooksCollector(self._view))
         self._grant_children: dict[str, tuple[Any, Any]] = {}
+
+    def _counter(self, name: str, documentation: str, *labels: str) -> Counter:
+        self.labelnames[name] = labels
+        return Counter(name, documentation, labels, registry=self.registry)
+
+    def _histogram(
+        self, name: str, documentation: str, buckets: tuple[float, ...], *labels: str
+    ) -> Histogram:
+        self.labelnames[name] = labels
+        return Histogram(name, documentation, labels, buckets=buckets, registry=self.registry)
 
     def set_source(self, source: Callable[[], BooksView | None]) -> None:
         """Where the per-GPU and per-pool gauges come from (the broker's view)."""
@@ -295,6 +298,22 @@ def metric_names() -> list[str]:
         suffix = "_total" if family.type == "counter" else ""
         names.append(family.name + suffix)
     return sorted(names)
+
+
+def markdown_table() -> str:
+    """The README's table of node-agent metrics, generated from the registry."""
+    metrics = NodeMetrics()
+    labels = {
+        **metrics.labelnames,
+        **dict.fromkeys(_GPU_GAUGES, GPU_LABELS),
+        **dict.fromkeys(_POOL_GAUGES, POOL_LABELS),
+    }
+    rows = ["| metric | type | labels | meaning |", "|---|---|---|---|"]
+    for family in metrics.registry.collect():
+        name = family.name + ("_total" if family.type == "counter" else "")
+        shown = ", ".join(labels.get(family.name, ())) or "-"
+        rows.append(f"| `{name}` | {family.type} | {shown} | {family.documentation} |")
+    return "\n".join(rows)
 
 
 Check = Callable[[], tuple[bool, str]]
