@@ -139,14 +139,16 @@ def test_list_and_watch_streams_health_changes_and_stays_open(
     inventory = agent.inventory
     assert isinstance(inventory, FakeInventory)
     sick = gpus_of(agent)[1].uuid
-    updates = kubelet.endpoint(SLOTS).updates
+
+    def health(resource: str, on_sick: bool) -> set[str]:
+        devices = kubelet.devices(resource)
+        return {h for d, h in devices.items() if d.startswith(sick) == on_sick}
+
     inventory.set_healthy(sick, False)
     agent.refresh_health()
-    assert kubelet.wait_for(lambda: kubelet.endpoint(SLOTS).updates > updates, 30)
-    devices = kubelet.devices(SLOTS)
-    assert {h for d, h in devices.items() if d.startswith(sick)} == {UNHEALTHY}
-    assert {h for d, h in devices.items() if not d.startswith(sick)} == {HEALTHY}
-    assert {h for d, h in kubelet.devices(MEMORY).items() if d.startswith(sick)} == {UNHEALTHY}
+    for resource in (SLOTS, MEMORY):
+        assert kubelet.wait_for(lambda r=resource: health(r, True) == {UNHEALTHY}, 30)
+        assert health(resource, False) == {HEALTHY}
     # An unhealthy GPU gets no new pools either.
     assert not agent.broker.view().gpus[1].healthy  # type: ignore[union-attr]
     inventory.set_healthy(sick, True)
