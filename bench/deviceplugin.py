@@ -32,11 +32,9 @@ def run(quick: bool) -> Result:
     kubelet = StandInKubelet(directory / "dp")
     kubelet.start()
     agent = NodeAgent(
-        AgentConfig(
-            node_name="bench",
-            broker_socket=directory / "broker.sock",
-            admin_socket=directory / "admin.sock",
-            state_file=directory / "broker.state",
+        AgentConfig.for_broker(
+            "bench",
+            directory / "broker.sock",
             fake_gpus="2x80Gi",
             device_plugin_dir=directory / "dp",
             metrics_host="127.0.0.1",

@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from kvshare.api.wire import Hello, Lease, Reclaim, Report, TurnGranted, TurnRefused, TurnRequest
 from kvshare.deviceplugin.books import (
     Books,
+    BrokerEvents,
     ExpectedPool,
-    NullEvents,
     PoolRecord,
     Send,
     fair_shares,
@@ -41,7 +41,7 @@ def hello(pod: str, **overrides: object) -> Hello:
     return Hello(**fields)  # type: ignore[arg-type]
 
 
-class RecordingEvents(NullEvents):
+class RecordingEvents(BrokerEvents):
     def __init__(self) -> None:
         self.overdue: list[str] = []
         self.completed: list[float] = []

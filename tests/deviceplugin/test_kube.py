@@ -262,11 +262,9 @@ def test_allocation_prefers_the_gpus_the_operator_planned(api: Emulator, short_t
     kubelet = StandInKubelet(short_tmp / "dp")
     kubelet.start()
     agent = NodeAgent(
-        AgentConfig(
-            node_name=NODE,
-            broker_socket=short_tmp / "broker.sock",
-            admin_socket=short_tmp / "admin.sock",
-            state_file=short_tmp / "broker.state",
+        AgentConfig.for_broker(
+            NODE,
+            short_tmp / "broker.sock",
             fake_gpus="2x16Gi",
             device_plugin_dir=short_tmp / "dp",
             metrics_host="127.0.0.1",

@@ -29,11 +29,9 @@ MEMORY = names.RESOURCE_GPU_MEMORY
 
 def start_agent(directory: Path, plugin_dir: Path) -> NodeAgent:
     agent = NodeAgent(
-        AgentConfig(
-            node_name="test-node",
-            broker_socket=directory / "broker.sock",
-            admin_socket=directory / "admin.sock",
-            state_file=directory / "broker.state",
+        AgentConfig.for_broker(
+            "test-node",
+            directory / "broker.sock",
             fake_gpus="2x16Gi",
             device_plugin_dir=plugin_dir,
             metrics_host="127.0.0.1",

@@ -246,41 +246,28 @@ class TurnDone(Message):
 # --- encoding ---------------------------------------------------------------------------
 
 
+#: Plain JSON types: hint -> (accepted Python types, what to call them in an error).
+_PLAIN: dict[Any, tuple[tuple[type, ...], str]] = {
+    int: ((int,), "an integer"),
+    float: ((int, float), "a number"),
+    bool: ((bool,), "true or false"),
+    str: ((str,), "a string"),
+}
+
+
 def _checker(hint: Any, where: str) -> typing.Callable[[Any], Any]:
     """A function that validates (and converts) one decoded JSON value against ``hint``."""
     origin = typing.get_origin(hint)
-    if hint is int:
+    if hint in _PLAIN:
+        accepted, expected = _PLAIN[hint]
 
-        def check_int(value: Any) -> int:
-            if type(value) is not int:
-                raise ProtocolError(f"{where}: expected an integer, got {value!r}")
-            return value
+        def check_plain(value: Any) -> Any:
+            # Exact types: JSON true is not an integer, 1.0 is not a count of bytes.
+            if type(value) not in accepted:
+                raise ProtocolError(f"{where}: expected {expected}, got {value!r}")
+            return hint(value)
 
-        return check_int
-    if hint is float:
-
-        def check_float(value: Any) -> float:
-            if type(value) not in (int, float):
-                raise ProtocolError(f"{where}: expected a number, got {value!r}")
-            return float(value)
-
-        return check_float
-    if hint is bool:
-
-        def check_bool(value: Any) -> bool:
-            if type(value) is not bool:
-                raise ProtocolError(f"{where}: expected true or false, got {value!r}")
-            return value
-
-        return check_bool
-    if hint is str:
-
-        def check_str(value: Any) -> str:
-            if type(value) is not str:
-                raise ProtocolError(f"{where}: expected a string, got {value!r}")
-            return value
-
-        return check_str
+        return check_plain
     if origin in (Union, types.UnionType):
         args = typing.get_args(hint)
         inner = [a for a in args if a is not type(None)]

@@ -51,6 +51,27 @@ class AgentConfig:
     audit_interval_s: float = 2.0
     health_interval_s: float = 5.0
 
+    @classmethod
+    def for_broker(
+        cls,
+        node_name: str,
+        broker_socket: Path,
+        *,
+        admin_socket: Path | None = None,
+        state_file: Path | None = None,
+        **options: Any,
+    ) -> AgentConfig:
+        """A config whose admin socket and state file sit next to the broker socket
+        unless given (``admin.sock`` and ``broker.state``)."""
+        run_dir = broker_socket.parent
+        return cls(
+            node_name=node_name,
+            broker_socket=broker_socket,
+            admin_socket=admin_socket or run_dir / names.ADMIN_SOCKET_NAME,
+            state_file=state_file or run_dir / "broker.state",
+            **options,
+        )
+
 
 def kube_api_client(kubeconfig: str | None) -> Any | None:
     """An API client from the in-cluster config or a kubeconfig, or None without one."""

@@ -41,7 +41,7 @@ import logging
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Literal, NamedTuple, Protocol
+from typing import Literal, NamedTuple
 
 from kvshare.api.quantity import format_bytes_human
 from kvshare.api.wire import (
@@ -63,7 +63,6 @@ __all__ = [
     "Books",
     "BrokerEvents",
     "ExpectedPool",
-    "NullEvents",
     "PoolRecord",
     "Send",
 ]
@@ -105,8 +104,9 @@ class Send(NamedTuple):
     message: Message
 
 
-class BrokerEvents(Protocol):
-    """What the books report as it happens (the metrics implement this)."""
+class BrokerEvents:
+    """What the books report as it happens. These defaults ignore everything (the books
+    alone, in tests); the node agent's metrics override them."""
 
     def granted(self, gpu: str, nbytes: int) -> None:
         """Lease grew by ``nbytes``."""
@@ -130,41 +130,10 @@ class BrokerEvents(Protocol):
         """A pool was refused admission."""
 
     def removed(self, gpu: str, why: str) -> None:
-        """A pool left (``bye``, ``closed``, ``exited``, ...)."""
+        """A pool left (``bye``, ``connection closed``, ``process exited``, ...)."""
 
     def protocol_error(self, reason: str) -> None:
         """A connection broke the protocol and was closed."""
-
-
-class NullEvents:
-    """Events that go nowhere (tests of the books alone)."""
-
-    def granted(self, gpu: str, nbytes: int) -> None:
-        """Ignored."""
-
-    def denied(self, gpu: str, reason: str) -> None:
-        """Ignored."""
-
-    def reclaim_issued(self, gpu: str) -> None:
-        """Ignored."""
-
-    def reclaim_completed(self, gpu: str, seconds: float) -> None:
-        """Ignored."""
-
-    def reclaim_overdue(self, pool: PoolRecord) -> None:
-        """Ignored."""
-
-    def admitted(self, gpu: str, resumed: bool) -> None:
-        """Ignored."""
-
-    def refused(self, gpu: str, reason: str) -> None:
-        """Ignored."""
-
-    def removed(self, gpu: str, why: str) -> None:
-        """Ignored."""
-
-    def protocol_error(self, reason: str) -> None:
-        """Ignored."""
 
 
 @dataclass
@@ -372,7 +341,7 @@ class Books:
         self._turn_hold_s = turn_hold_s
         self._orphan_grace_s = orphan_grace_s
         self._orphan_wait_s = orphan_wait_s
-        self._events: BrokerEvents = events or NullEvents()
+        self._events = events or BrokerEvents()
         self._next_pool_id = 1
         self._next_seq = 1
         self._expected: dict[int, ExpectedPool] = {}

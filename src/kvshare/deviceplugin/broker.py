@@ -50,7 +50,7 @@ from kvshare.api.wire import (
     Welcome,
 )
 from kvshare.deviceplugin import admin, peers
-from kvshare.deviceplugin.books import Books, BrokerEvents, ExpectedPool, NullEvents, Send
+from kvshare.deviceplugin.books import Books, BrokerEvents, ExpectedPool, Send
 from kvshare.deviceplugin.inventory import GpuInfo
 from kvshare.deviceplugin.state import load_expected, save_pools
 from kvshare.deviceplugin.views import BooksView
@@ -114,7 +114,7 @@ class Broker:
     ) -> None:
         self.config = config
         self._gpus = list(gpus)
-        self._events: BrokerEvents = events or NullEvents()
+        self._events = events or BrokerEvents()
         self._lock = threading.Lock()  # guards _books (read by other threads via view())
         self._books = Books(self._gpus, headroom=config.headroom)
         self._selector = selectors.DefaultSelector()

@@ -22,7 +22,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
-from kvshare.deviceplugin.books import NullEvents, PoolRecord
+from kvshare.deviceplugin.books import BrokerEvents, PoolRecord
 from kvshare.deviceplugin.views import BooksView, GpuView, PoolView
 
 __all__ = ["MetricsServer", "NodeMetrics", "markdown_table", "metric_names", "registry"]
@@ -140,7 +140,7 @@ class _BooksCollector(Collector):
         yield recovering
 
 
-class NodeMetrics(NullEvents):
+class NodeMetrics(BrokerEvents):
     """Every metric of the node agent, in its own registry; also the broker's event sink."""
 
     def __init__(self, source: Callable[[], BooksView | None] | None = None) -> None:

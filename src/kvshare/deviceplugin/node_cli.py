@@ -111,13 +111,11 @@ def run(args: argparse.Namespace) -> int:
     from kvshare.deviceplugin.broker import BrokerError
     from kvshare.deviceplugin.inventory import InventoryError
 
-    broker_socket = args.broker_socket or Path(env.BROKER_SOCKET.require())
-    run_dir = broker_socket.parent
-    config = AgentConfig(
-        node_name=args.node_name or socket.gethostname(),
-        broker_socket=broker_socket,
-        admin_socket=args.admin_socket or run_dir / names.ADMIN_SOCKET_NAME,
-        state_file=args.state_file or run_dir / "broker.state",
+    config = AgentConfig.for_broker(
+        args.node_name or socket.gethostname(),
+        args.broker_socket or Path(env.BROKER_SOCKET.require()),
+        admin_socket=args.admin_socket,
+        state_file=args.state_file,
         fake_gpus=args.fake_gpus,
         headroom=args.headroom,
         slots_per_gpu=args.slots_per_gpu,
