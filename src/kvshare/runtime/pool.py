@@ -710,7 +710,9 @@ class KVPool:
         with self._lock:
             over = self._held_pages - self._limit_pages
             if over > 0:
-                drop = self._pick_ready_to_drop(over)
+                # Down to the lease, and the reserve trimmed as well in the same pass.
+                excess = len(self._ready) - self._reserve_pages
+                drop = self._pick_ready_to_drop(max(over, excess))
                 grow: list[int] = []
             else:
                 drop = self._pick_ready_to_drop(len(self._ready) - self._reserve_pages)
