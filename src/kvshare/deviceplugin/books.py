@@ -376,10 +376,6 @@ class Books:
         """UUIDs of the GPUs, in index order."""
         return [g.info.uuid for g in sorted(self._gpus.values(), key=lambda g: g.info.index)]
 
-    def expected_pids(self) -> list[int]:
-        """Pids of pools still expected to re-declare."""
-        return list(self._expected)
-
     def find(self, selector: str) -> list[PoolRecord]:
         """Pools whose id or name is ``selector`` (names may repeat across GPUs)."""
         if selector.isdigit():

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import stat
 import threading
 import time
@@ -204,10 +203,3 @@ class _Registration:
             context.abort(grpc.StatusCode.UNKNOWN, problem)
         return pb.Empty()
 
-
-def socket_exists(path: Path) -> bool:
-    """Whether ``path`` is a unix socket."""
-    try:
-        return stat.S_ISSOCK(os.stat(path).st_mode)
-    except OSError:
-        return False
