@@ -202,4 +202,3 @@ class _Registration:
         if problem is not None:
             context.abort(grpc.StatusCode.UNKNOWN, problem)
         return pb.Empty()
-
