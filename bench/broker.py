@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import statistics
@@ -68,6 +69,7 @@ class Agent:
     def stop(self) -> None:
         self.process.send_signal(signal.SIGTERM)
         self.process.wait(30)
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 # --- grant_rtt: 32 threads on the wire -----------------------------------------------------
