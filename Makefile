@@ -10,8 +10,12 @@ LOCK   := requirements/dev.lock
 # Each install set is recorded by a stamp, so a target installs only what it needs.
 DEV_STAMP  := $(VENV)/.dev-installed
 DEMO_STAMP := $(VENV)/.demo-installed
+PROTOC_STAMP := $(VENV)/.protoc-installed
+# The kubelet device plugin API stubs, generated from the .proto (never committed).
+PROTO_DIR   := src/kvshare/deviceplugin/v1beta1
+PROTO_STUBS := $(PROTO_DIR)/api_pb2.py
 
-.PHONY: help venv test lint format bench demo gpu-check docs clean
+.PHONY: help venv proto test lint format bench demo gpu-check docs clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -e 's/:.*## /\t/'
@@ -30,10 +34,20 @@ $(DEMO_STAMP): pyproject.toml $(LOCK) | $(PY)
 
 venv: $(DEV_STAMP)  ## create .venv with everything needed to develop
 
-test: $(DEV_STAMP)  ## run the test suite
+# Only grpcio-tools is needed to generate the stubs (so `make demo` installs no dev tools).
+$(PROTOC_STAMP): $(LOCK) | $(PY)
+	$(PIP) -c $(LOCK) grpcio-tools
+	touch $@
+
+$(PROTO_STUBS): $(PROTO_DIR)/api.proto src/kvshare/deviceplugin/protogen.py $(PROTOC_STAMP)
+	PYTHONPATH=src $(PY) -m kvshare.deviceplugin.protogen
+
+proto: $(PROTO_STUBS)  ## generate the kubelet device plugin API stubs from the .proto
+
+test: $(DEV_STAMP) $(PROTO_STUBS)  ## run the test suite
 	$(PY) -m pytest
 
-lint: $(DEV_STAMP)  ## ruff (lint + format check) and mypy
+lint: $(DEV_STAMP) $(PROTO_STUBS)  ## ruff (lint + format check) and mypy
 	$(VENV)/bin/ruff check src tests bench tools
 	$(VENV)/bin/ruff format --check src tests bench tools
 	$(VENV)/bin/mypy
@@ -42,10 +56,10 @@ format: $(DEV_STAMP)  ## apply ruff's fixes and formatting
 	$(VENV)/bin/ruff check --fix src tests bench tools
 	$(VENV)/bin/ruff format src tests bench tools
 
-bench: $(DEV_STAMP)  ## run every benchmark and rewrite BENCHMARKS.md
+bench: $(DEV_STAMP) $(PROTO_STUBS)  ## run every benchmark and rewrite BENCHMARKS.md
 	$(PY) bench/run.py --all --write BENCHMARKS.md
 
-demo: $(DEMO_STAMP)  ## the elastic-vs-static demo on this machine (no GPU, no cluster)
+demo: $(DEMO_STAMP) $(PROTO_STUBS)  ## static partitions vs elastic KV caches here (no GPU, no cluster)
 	$(VENV)/bin/kvshare demo
 
 # The GPU check runs with the GPU machine's own Python and its CUDA build of PyTorch (the
