@@ -531,10 +531,10 @@ def trade_worker(backend_kind: str) -> int:
     Each answer is the pool's snapshot (one JSON line).
     """
     import torch
-    from kvshare.runtime.leases import lease_from_env
 
     from kvshare.runtime.backends import open_backend
     from kvshare.runtime.geometry import KVGeometry
+    from kvshare.runtime.leases import lease_from_env
     from kvshare.runtime.pool import KVPool
 
     backend = open_backend(backend_kind, 0)  # type: ignore[arg-type]
