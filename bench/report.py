@@ -36,6 +36,10 @@ def _table(result: Result, machine: str, date: str, command: str) -> str:
 
 def _coverage(results: list[Result], missing: list[str]) -> str:
     line = "Run: " + ", ".join(f"`{r.name}`" for r in results) + "."
+    crashed = [r.name for r in results if r.crashed]
+    if crashed:
+        line += " Failed with an error (see its table): "
+        line += ", ".join(f"`{name}`" for name in crashed) + "."
     if missing:
         line += " Not present in this checkout, so not run: "
         line += ", ".join(f"`{name}`" for name in missing) + "."

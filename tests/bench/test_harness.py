@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -73,3 +75,30 @@ def test_the_report_says_which_benchmarks_ran_and_keeps_the_gpu_section(tmp_path
     report.write_gpu_section(path, "## GPU check\n\nagain\n")  # type: ignore[attr-defined]
     text = path.read_text()
     assert "## placement" in text and "again" in text and "measured on a GPU" not in text
+
+
+def test_a_benchmark_that_raises_is_reported_and_the_others_still_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import types
+
+    run = _bench_module("run")
+    report = _bench_module("report")
+    harness = _bench_module("harness")
+
+    def explode(quick: bool) -> object:
+        raise RuntimeError("the bench lost its broker")
+
+    crashed = run.run_one(types.SimpleNamespace(run=explode), "broker", quick=True)  # type: ignore[attr-defined]
+    assert crashed.crashed and crashed.fields == {
+        "error": "RuntimeError: the bench lost its broker"
+    }
+    assert (
+        "the bench lost its broker" in capsys.readouterr().err
+    )  # the traceback, for whoever runs it
+    fine = harness.Result("placement", {"full_plan_s": 0.5})  # type: ignore[attr-defined]
+    path = tmp_path / "BENCHMARKS.md"
+    report.write_report(path, [fine, crashed], machine="m", date="d", command="c")  # type: ignore[attr-defined]
+    text = path.read_text()
+    assert "Failed with an error (see its table): `broker`." in text
+    assert "| `error` | RuntimeError: the bench lost its broker | | |" in text
