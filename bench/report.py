@@ -14,6 +14,11 @@ with it. Reproduce one with the command under its table; `--json` prints the fie
 """
 
 _GPU_MARKER = "<!-- gpu-check results below are kept across `make bench` runs -->"
+_NO_GPU_RUN = """## GPU check
+
+Not run yet: `make gpu-check` on a machine with an NVIDIA GPU and PyTorch records its
+results here (`python bench/gpu_check.py --dry-run` exercises it without a GPU).
+"""
 
 
 def _table(result: Result, machine: str, date: str, command: str) -> str:
@@ -56,14 +61,14 @@ def write_report(
     missing: list[str] | None = None,
 ) -> None:
     """Rewrite ``path``: which benchmarks ran, their tables, then any GPU-check section."""
-    kept = ""
+    kept = f"{_GPU_MARKER}\n\n{_NO_GPU_RUN}"
     if path.exists():
         text = path.read_text(encoding="utf-8")
         if _GPU_MARKER in text:
             kept = text[text.index(_GPU_MARKER) :]
     body = "\n".join(_table(r, machine, date, command) for r in results)
     head = _HEADER + "\n" + _coverage(results, missing or []) + "\n"
-    path.write_text(head + body + ("\n" + kept if kept else ""), encoding="utf-8")
+    path.write_text(head + body + "\n" + kept, encoding="utf-8")
 
 
 def write_gpu_section(path: Path, section: str) -> None:

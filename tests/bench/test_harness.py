@@ -102,3 +102,12 @@ def test_a_benchmark_that_raises_is_reported_and_the_others_still_run(
     text = path.read_text()
     assert "Failed with an error (see its table): `broker`." in text
     assert "| `error` | RuntimeError: the bench lost its broker | | |" in text
+
+
+def test_a_report_without_a_gpu_run_says_so(tmp_path: Path) -> None:
+    report = _bench_module("report")
+    harness = _bench_module("harness")
+    path = tmp_path / "BENCHMARKS.md"
+    fine = harness.Result("placement", {"full_plan_s": 0.5})  # type: ignore[attr-defined]
+    report.write_report(path, [fine], machine="m", date="d", command="c")  # type: ignore[attr-defined]
+    assert "## GPU check\n\nNot run yet: `make gpu-check`" in path.read_text()
