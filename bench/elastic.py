@@ -53,6 +53,9 @@ def run(quick: bool) -> Result:
             f"Trace: seed {config.seed}, {config.models} models, {config.duration_s:g} s, "
             f"{config.gpu_memory_bytes / 2**30:g} GiB GPU, busy load {config.busy_load:g}x "
             f"and quiet load {config.quiet_load:g}x a static share's capacity, "
-            f"{len(outcome.trace.requests)} requests; wall time {outcome.wall_s:.0f} s."
+            f"{len(outcome.trace.requests)} requests; wall time {outcome.wall_s:.0f} s. "
+            f"With one staggered burst per model, no scheme can serve more than "
+            f"2M/(M+1) = x{2 * config.models / (config.models + 1):.2f} the static world's "
+            "requests within the run (src/kvshare/demo/trace.py)."
         ),
     )
