@@ -19,7 +19,8 @@ no model downloads, no network. Four steps, one JSON summary printed last:
 ``host`` backend instead of ``cuda``, libc calls instead of the driver's, the decoder on
 the CPU — so the check itself is known to work before GPU time is spent on it. Without
 ``--dry-run`` on a machine without a GPU it stops at once with status 3 and says so.
-Exit status: 0 all steps passed, 1 a step failed, 3 no GPU, 4 a package is missing.
+Exit status: 0 all steps passed, 1 a step failed, 3 no GPU, 4 a package is missing (the
+node agent's generated kubelet API stubs are made first if grpcio-tools is there).
 """
 
 from __future__ import annotations
@@ -93,7 +94,22 @@ def missing_packages(dry_run: bool) -> list[str]:
             found = False
         if not found:
             missing.append(dist)
+    if not ensure_kubelet_stubs():
+        missing.append("grpcio-tools (or copy the stubs `make proto` writes)")
     return missing
+
+
+def ensure_kubelet_stubs() -> bool:
+    """Whether the node agent's generated kubelet API stubs are there (made if they can be)."""
+    stubs = ROOT / "src" / "kvshare" / "deviceplugin" / "v1beta1" / "api_pb2.py"
+    if stubs.exists():
+        return True
+    if importlib.util.find_spec("grpc_tools") is None:
+        return False
+    from kvshare.deviceplugin.protogen import generate
+
+    generate()
+    return stubs.exists()
 
 
 @dataclass(frozen=True)
