@@ -10,8 +10,12 @@ LOCK   := requirements/dev.lock
 # Each install set is recorded by a stamp, so a target installs only what it needs.
 DEV_STAMP  := $(VENV)/.dev-installed
 DEMO_STAMP := $(VENV)/.demo-installed
+# Tools the chart tests run, unpacked once into a git-ignored folder (cached wheels too).
+TOOLS := .tools
+HELM  := $(TOOLS)/bin/helm
+CHART := charts/kvshare
 
-.PHONY: help venv test lint format bench demo docs clean
+.PHONY: help venv test lint format bench demo docs clean tools prometheus crds dashboard runtime-bundle
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -e 's/:.*## /\t/'
@@ -30,7 +34,15 @@ $(DEMO_STAMP): pyproject.toml $(LOCK) | $(PY)
 
 venv: $(DEV_STAMP)  ## create .venv with everything needed to develop
 
-test: $(DEV_STAMP)  ## run the test suite
+$(HELM): tools/fetch_helm.py | $(PY)
+	$(PY) tools/fetch_helm.py --dest $@ --cache $(TOOLS)/cache
+
+prometheus:  ## Prometheus + promtool from Debian's package (apt-get, as root; idempotent)
+	@bash tools/install-prometheus.sh
+
+tools: $(HELM) prometheus  ## the binaries the chart tests run: helm, prometheus, promtool
+
+test: $(DEV_STAMP) tools  ## run the test suite
 	$(PY) -m pytest
 
 lint: $(DEV_STAMP)  ## ruff (lint + format check) and mypy
@@ -51,5 +63,15 @@ demo:  ## the elastic-vs-static demo on this machine (no GPU, no cluster)
 docs: $(DEV_STAMP)  ## regenerate the README's generated tables
 	$(PY) tools/update_readme.py
 
+crds: $(DEV_STAMP)  ## write the chart's CRDs from kvshare.api (the one source)
+	$(VENV)/bin/kvshare crds > $(CHART)/crds/kvshare.io.yaml
+
+dashboard: $(DEV_STAMP)  ## write the chart's Grafana dashboard from tools/dashboard.py
+	$(PY) tools/dashboard.py > $(CHART)/dashboards/kvshare.json
+
+runtime-bundle: $(DEV_STAMP)  ## build the injected runtime into out/runtime (as the image does)
+	$(PY) tools/runtime_bundle.py --out out/runtime --wheelhouse $(TOOLS)/wheels \
+		--python-versions $(shell $(PY) -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
+
 clean:  ## remove the virtualenv and caches
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(TOOLS) out .pytest_cache .mypy_cache .ruff_cache .hypothesis
