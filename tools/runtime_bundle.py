@@ -115,13 +115,13 @@ def _is_type_checking(node: ast.If) -> bool:
     )
 
 
-def _package_of(file: Path) -> str:
+def _package_of(file: Path, src: Path) -> str:
     """Dotted package containing ``file`` (for relative imports)."""
-    parts = list(file.relative_to(SRC).with_suffix("").parts)
+    parts = list(file.relative_to(src).with_suffix("").parts)
     return ".".join(parts[:-1])
 
 
-def imports_of(file: Path) -> list[ImportFound]:
+def imports_of(file: Path, src: Path = SRC) -> list[ImportFound]:
     """Modules ``file`` imports at run time (``if TYPE_CHECKING:`` blocks excluded)."""
     tree = ast.parse(file.read_text(encoding="utf-8"), filename=str(file))
     found: list[ImportFound] = []
@@ -136,7 +136,7 @@ def imports_of(file: Path) -> list[ImportFound]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                package = _package_of(file).split(".")
+                package = _package_of(file, src).split(".")
                 anchor = package[: len(package) - (node.level - 1)]
                 base = ".".join([*anchor, base] if base else anchor)
             if base != "__future__":
@@ -152,18 +152,18 @@ def imports_of(file: Path) -> list[ImportFound]:
     return found
 
 
-def _module_file(module: str) -> Path | None:
-    path = SRC.joinpath(*module.split("."))
+def _module_file(module: str, src: Path) -> Path | None:
+    path = src.joinpath(*module.split("."))
     for candidate in (path.with_suffix(".py"), path / "__init__.py"):
         if candidate.is_file():
             return candidate
     return None
 
 
-def runtime_closure() -> list[Path]:
+def runtime_closure(src: Path = SRC) -> list[Path]:
     """Every source file the injected runtime needs, with the packages that contain them."""
-    pending = sorted((SRC / "kvshare" / "runtime").rglob("*.py"))
-    pending += sorted(SRC.rglob("sitecustomize.py"))
+    pending = sorted((src / "kvshare" / "runtime").rglob("*.py"))
+    pending += sorted(src.rglob("sitecustomize.py"))
     needed: set[Path] = set()
     problems: list[str] = []
     while pending:
@@ -171,18 +171,18 @@ def runtime_closure() -> list[Path]:
         if file in needed:
             continue
         needed.add(file)
-        for parent in file.relative_to(SRC).parents:
-            init = SRC / parent / "__init__.py"
+        for parent in file.relative_to(src).parents:
+            init = src / parent / "__init__.py"
             if parent.parts and init.is_file() and init not in needed:
                 pending.append(init)
-        for found in imports_of(file):
+        for found in imports_of(file, src):
             top = found.module.split(".")[0]
             if top == "kvshare":
-                target = _module_file(found.module)
+                target = _module_file(found.module, src)
                 if target is not None and target not in needed:
                     pending.append(target)
             elif top and top not in sys.stdlib_module_names and top not in ALLOWED_THIRD_PARTY:
-                where = f"{found.file.relative_to(ROOT)}:{found.line}"
+                where = f"{found.file.relative_to(src)}:{found.line}"
                 problems.append(f"{where} imports {found.module}")
     if problems:
         raise BundleError(

@@ -1,0 +1,214 @@
+"""The alerting rules the chart renders pass `promtool check rules`, and `promtool test rules`
+shows each alert firing when it should, staying quiet while its `for` has not elapsed, and
+never firing for a healthy series next to the faulty one. Every alert links its runbook
+section in docs/runbooks.md."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+from tests.chart.helm import ROOT
+from tests.chart.prometheus import promtool, rendered_rules, write_yaml
+
+RUNBOOKS = "https://github.com/kvshare/kvshare/blob/main/docs/runbooks.md"
+POOL_A = 'node="gpu-1", gpu="GPU-a", namespace="llm", pod="qwen-7b-0", modelserver="qwen-7b"'
+POOL_B = 'node="gpu-1", gpu="GPU-a", namespace="llm", pod="llama-0", modelserver="llama"'
+MS_A = 'namespace="llm", modelserver="qwen-7b"'
+MS_B = 'namespace="llm", modelserver="llama"'
+MIB = 2**20
+
+
+def _alert(labels: dict[str, str], summary: str, description: str, runbook: str) -> dict[str, Any]:
+    return {
+        "exp_labels": labels,
+        "exp_annotations": {
+            "summary": summary,
+            "description": description,
+            "runbook_url": f"{RUNBOOKS}#{runbook}",
+        },
+    }
+
+
+def _case(
+    series: list[tuple[str, str]], alert: str, quiet_at: str, fires_at: str, expected: Any
+) -> dict[str, Any]:
+    """One promtool test: ``series``; ``alert`` silent at ``quiet_at``, as expected later."""
+    return {
+        "interval": "1m",
+        "input_series": [{"series": s, "values": v} for s, v in series],
+        "alert_rule_test": [
+            {"eval_time": quiet_at, "alertname": alert, "exp_alerts": []},
+            {"eval_time": fires_at, "alertname": alert, "exp_alerts": [expected]},
+        ],
+    }
+
+
+CASES = [
+    # Down from minute 2: still pending at 6m (for 5m), firing at 10m; gpu-2 stays up.
+    _case(
+        [
+            ('up{job="kvshare-node-agent", node="gpu-1"}', "1 1 0x20"),
+            ('up{job="kvshare-node-agent", node="gpu-2"}', "1x22"),
+        ],
+        "KVShareNodeAgentDown",
+        "6m",
+        "10m",
+        _alert(
+            {"severity": "critical", "job": "kvshare-node-agent", "node": "gpu-1"},
+            "kvshare node agent on gpu-1 does not answer",
+            "Prometheus cannot scrape the node agent on gpu-1: its broker, device plugin and "
+            "metrics may be down, and model servers there cannot grow their KV cache.",
+            "kvsharenodeagentdown",
+        ),
+    ),
+    # One denial per second on GPU-a (above 0.1/s) for 30 minutes; GPU-b denies once a minute.
+    _case(
+        [
+            ('kvshare_broker_denials_total{node="gpu-1", gpu="GPU-a"}', "0+60x40"),
+            ('kvshare_broker_denials_total{node="gpu-1", gpu="GPU-b"}', "0+1x40"),
+        ],
+        "KVShareBrokerDenialsSustained",
+        "12m",
+        "30m",
+        _alert(
+            {"severity": "warning", "node": "gpu-1", "gpu": "GPU-a"},
+            "GPU GPU-a on gpu-1 keeps denying KV memory",
+            "The broker denied 1 requests per second for 15m: the model servers on this GPU "
+            "want more KV cache than it has.",
+            "kvsharebrokerdenialssustained",
+        ),
+    ),
+    # Pool A maps two pages more than its lease from minute 3; pool B only one page more.
+    _case(
+        [
+            (f'kvshare_pool_kv_lease_bytes{{{POOL_A}, rank="0"}}', f"{512 * MIB}x10"),
+            (
+                f'kvshare_pool_kv_mapped_bytes{{{POOL_A}, rank="0"}}',
+                f"{512 * MIB}x2 {516 * MIB}x8",
+            ),
+            (f'kvshare_pool_kv_lease_bytes{{{POOL_B}, rank="0"}}', f"{512 * MIB}x10"),
+            (f'kvshare_pool_kv_mapped_bytes{{{POOL_B}, rank="0"}}', f"{514 * MIB}x10"),
+        ],
+        "KVSharePoolOverLease",
+        "4m",
+        "6m",
+        _alert(
+            {
+                "severity": "critical",
+                "node": "gpu-1",
+                "gpu": "GPU-a",
+                "namespace": "llm",
+                "pod": "qwen-7b-0",
+                "modelserver": "qwen-7b",
+                "rank": "0",
+            },  # fmt: skip
+            "pool of llm/qwen-7b-0 holds more than its lease",
+            "Rank 0 of llm/qwen-7b-0 maps more GPU memory than the broker granted it (plus one "
+            "page): its neighbours on GPU GPU-a can run out of memory.",
+            "kvsharepooloverlease",
+        ),
+    ),
+    # One reclaim overdue at minute 5 on GPU-a; none on GPU-b.
+    _case(
+        [
+            ('kvshare_broker_reclaims_overdue_total{node="gpu-1", gpu="GPU-a"}', "0x5 1x10"),
+            ('kvshare_broker_reclaims_overdue_total{node="gpu-1", gpu="GPU-b"}', "0x15"),
+        ],
+        "KVShareReclaimOverdue",
+        "4m",
+        "7m",
+        _alert(
+            {"severity": "warning", "node": "gpu-1", "gpu": "GPU-a"},
+            "a pool on gpu-1 did not give memory back in time",
+            "Reclaims on GPU GPU-a passed their deadline in the last 10 minutes: a pool holding "
+            "memory another pool is waiting for is not shrinking.",
+            "kvsharereclaimoverdue",
+        ),
+    ),
+    # qwen-7b has 2 unplaced replicas from minute 1; llama is fully placed.
+    _case(
+        [
+            (f"kvshare_modelserver_unplaced_replicas{{{MS_A}}}", "0 2x20"),
+            (f"kvshare_modelserver_unplaced_replicas{{{MS_B}}}", "0x20"),
+        ],
+        "KVShareModelServerUnschedulable",
+        "8m",
+        "12m",
+        _alert(
+            {"severity": "warning", "namespace": "llm", "modelserver": "qwen-7b"},
+            "ModelServer llm/qwen-7b cannot be placed",
+            "2 replicas found no GPUs with room for their static memory plus kvCache.min for "
+            "10m; the Placed condition says why.",
+            "kvsharemodelserverunschedulable",
+        ),
+    ),
+    # qwen-7b wants 2 replicas and has 1 ready; llama has all of its 1 ready.
+    _case(
+        [
+            (f"kvshare_modelserver_replicas{{{MS_A}}}", "2x30"),
+            (f"kvshare_modelserver_ready_replicas{{{MS_A}}}", "1x30"),
+            (f"kvshare_modelserver_replicas{{{MS_B}}}", "1x30"),
+            (f"kvshare_modelserver_ready_replicas{{{MS_B}}}", "1x30"),
+        ],
+        "KVShareModelServerNotReady",
+        "10m",
+        "20m",
+        _alert(
+            {"severity": "warning", "namespace": "llm", "modelserver": "qwen-7b"},
+            "ModelServer llm/qwen-7b is not ready",
+            "1 replicas have not been ready for 15m.",
+            "kvsharemodelservernotready",
+        ),
+    ),
+]
+
+
+def _alerts(rules: dict[str, Any]) -> list[dict[str, Any]]:
+    return [r for g in rules["groups"] for r in g["rules"] if "alert" in r]
+
+
+def test_rendered_rules_pass_promtool_check(tmp_path: Path) -> None:
+    rules = write_yaml(tmp_path / "kvshare.rules.yaml", rendered_rules())
+    done = promtool("check", "rules", str(rules))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"SUCCESS: {len(_alerts(rendered_rules()))} rules found" in done.stdout
+
+
+def test_every_alert_fires_when_it_should_and_only_then(tmp_path: Path) -> None:
+    rules = rendered_rules()
+    tested = {case["alert_rule_test"][0]["alertname"] for case in CASES}
+    assert tested == {a["alert"] for a in _alerts(rules)}, "an alert has no promtool case"
+    write_yaml(tmp_path / "kvshare.rules.yaml", rules)
+    suite = write_yaml(
+        tmp_path / "kvshare.test.yaml",
+        {"rule_files": ["kvshare.rules.yaml"], "evaluation_interval": "1m", "tests": CASES},
+    )
+    done = promtool("test", "rules", str(suite), cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "SUCCESS" in done.stdout
+
+
+def test_a_broken_rule_makes_the_promtool_suite_fail(tmp_path: Path) -> None:
+    """The suite above can fail: with a threshold the faulty series never reaches, it does."""
+    rules = rendered_rules({"monitoring.alerts.denialRate": 5})
+    write_yaml(tmp_path / "kvshare.rules.yaml", rules)
+    suite = write_yaml(
+        tmp_path / "kvshare.test.yaml",
+        {"rule_files": ["kvshare.rules.yaml"], "evaluation_interval": "1m", "tests": CASES},
+    )
+    done = promtool("test", "rules", str(suite), cwd=tmp_path)
+    assert done.returncode != 0
+    assert "KVShareBrokerDenialsSustained" in done.stdout + done.stderr
+
+
+def test_every_alert_has_a_summary_and_a_runbook_section() -> None:
+    runbooks = (ROOT / "docs" / "runbooks.md").read_text(encoding="utf-8")
+    anchors = {h.lower() for h in re.findall(r"^## (\S+)$", runbooks, flags=re.M)}
+    for alert in _alerts(rendered_rules()):
+        annotations = alert["annotations"]
+        assert annotations["summary"]
+        url = annotations["runbook_url"]
+        assert url.startswith(RUNBOOKS)
+        assert url.split("#", 1)[1] in anchors, f"{alert['alert']}: no runbook section"
