@@ -103,7 +103,7 @@ CASES = [
                 "pod": "qwen-7b-0",
                 "modelserver": "qwen-7b",
                 "rank": "0",
-            },  # fmt: skip
+            },
             "pool of llm/qwen-7b-0 holds more than its lease",
             "Rank 0 of llm/qwen-7b-0 maps more GPU memory than the broker granted it (plus one "
             "page): its neighbours on GPU GPU-a can run out of memory.",

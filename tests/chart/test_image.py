@@ -79,9 +79,9 @@ def test_base_image_is_pinned_to_an_exact_release() -> None:
 def _dockerignored(path: str, patterns: list[str]) -> bool:
     """Whether the Docker build context leaves ``path`` out (last matching pattern wins)."""
     ignored = False
-    for pattern in patterns:
-        negate = pattern.startswith("!")
-        pattern = pattern.removeprefix("!").rstrip("/")
+    for line in patterns:
+        negate = line.startswith("!")
+        pattern = line.removeprefix("!").rstrip("/")
         parts = Path(path).parts
         prefixes = ["/".join(parts[: i + 1]) for i in range(len(parts))]
         if any(fnmatch.fnmatch(p, pattern) for p in prefixes):
