@@ -16,8 +16,8 @@ SECTION = README.split("## Install on a cluster", 1)[1].split("\n## ", 1)[0]
 def commands() -> list[list[str]]:
     found = []
     for block in re.findall(r"```sh\n(.*?)```", SECTION, flags=re.S):
-        for line in block.replace("\\\n", " ").splitlines():
-            line = line.split("  #", 1)[0].strip()
+        for raw in block.replace("\\\n", " ").splitlines():
+            line = raw.split("  #", 1)[0].strip()
             if line:
                 found.append(shlex.split(line))
     return found
