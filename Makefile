@@ -15,7 +15,7 @@ TOOLS := .tools
 HELM  := $(TOOLS)/bin/helm
 CHART := charts/kvshare
 
-.PHONY: help venv test lint format bench demo docs clean tools prometheus crds dashboard runtime-bundle
+.PHONY: help venv test lint format bench demo docs clean tools prometheus crds rbac dashboard runtime-bundle
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -e 's/:.*## /\t/'
@@ -65,6 +65,9 @@ docs: $(DEV_STAMP)  ## regenerate the README's generated tables
 
 crds: $(DEV_STAMP)  ## write the chart's CRDs from kvshare.api (the one source)
 	$(VENV)/bin/kvshare crds > $(CHART)/crds/kvshare.io.yaml
+
+rbac: $(DEV_STAMP)  ## write the chart's RBAC rules from the programs' lists of API calls
+	$(PY) tools/chart_rbac.py
 
 dashboard: $(DEV_STAMP)  ## write the chart's Grafana dashboard from tools/dashboard.py
 	$(PY) tools/dashboard.py > $(CHART)/dashboards/kvshare.json

@@ -182,15 +182,40 @@ ROWS: tuple[Row, ...] = (
                     ),
                 ),
                 unit="ops",
-                width=8,
+                width=6,
             ),
             Panel(
                 "ModelServers by phase",
-                "How many ModelServers are in each phase; Pending ones have replicas "
-                "that could not be placed yet (see their Placed condition).",
-                (Query("sum by (phase) (kvshare_modelservers)", "{{phase}}"),),
+                "How many ModelServers are in each phase. Unschedulable ones have replicas "
+                "no GPU has room for (their Placed condition says why); Starting ones wait "
+                "for engines to load; Degraded ones need attention.",
+                (
+                    # max over operator replicas: a standby replica reports zeros.
+                    Query(
+                        'max by (phase) (kvshare_modelservers{job="kvshare-operator"})', "{{phase}}"
+                    ),
+                ),
                 stacked=True,
-                width=8,
+                width=6,
+            ),
+            Panel(
+                "Reconcile time",
+                "Time the operator takes to reconcile one ModelServer, from reading its "
+                "caches to the status written (median and 99th percentile).",
+                (
+                    Query(
+                        "histogram_quantile(0.5, sum by (le) (rate("
+                        "kvshare_operator_reconcile_seconds_bucket[$__rate_interval])))",
+                        "p50",
+                    ),
+                    Query(
+                        "histogram_quantile(0.99, sum by (le) (rate("
+                        "kvshare_operator_reconcile_seconds_bucket[$__rate_interval])))",
+                        "p99",
+                    ),
+                ),
+                unit="s",
+                width=6,
             ),
             Panel(
                 "Node agents up",
@@ -201,7 +226,7 @@ ROWS: tuple[Row, ...] = (
                     Query(f"count(up{{{NODE_AGENT}}})", "known"),
                 ),
                 kind="stat",
-                width=8,
+                width=6,
             ),
         ),
     ),

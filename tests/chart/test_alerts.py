@@ -15,8 +15,8 @@ from tests.chart.prometheus import promtool, rendered_rules, write_yaml
 RUNBOOKS = "https://github.com/kvshare/kvshare/blob/main/docs/runbooks.md"
 POOL_A = 'node="gpu-1", gpu="GPU-a", namespace="llm", pod="qwen-7b-0", modelserver="qwen-7b"'
 POOL_B = 'node="gpu-1", gpu="GPU-a", namespace="llm", pod="llama-0", modelserver="llama"'
-MS_A = 'namespace="llm", modelserver="qwen-7b"'
-MS_B = 'namespace="llm", modelserver="llama"'
+OP_A = 'job="kvshare-operator", instance="10.0.0.1:8080"'
+OP_B = 'job="kvshare-operator", instance="10.0.0.2:8080"'
 MIB = 2**20
 
 
@@ -127,38 +127,42 @@ CASES = [
             "kvsharereclaimoverdue",
         ),
     ),
-    # qwen-7b has 2 unplaced replicas from minute 1; llama is fully placed.
+    # Two ModelServers Unschedulable from minute 1 on the active operator replica; the
+    # standby replica reports zeros throughout.
     _case(
         [
-            (f"kvshare_modelserver_unplaced_replicas{{{MS_A}}}", "0 2x20"),
-            (f"kvshare_modelserver_unplaced_replicas{{{MS_B}}}", "0x20"),
+            (f'kvshare_modelservers{{{OP_A}, phase="Unschedulable"}}', "0 2x20"),
+            (f'kvshare_modelservers{{{OP_B}, phase="Unschedulable"}}', "0x21"),
+            (f'kvshare_modelservers{{{OP_A}, phase="Ready"}}', "3x21"),
         ],
         "KVShareModelServerUnschedulable",
         "8m",
         "12m",
         _alert(
-            {"severity": "warning", "namespace": "llm", "modelserver": "qwen-7b"},
-            "ModelServer llm/qwen-7b cannot be placed",
-            "2 replicas found no GPUs with room for their static memory plus kvCache.min for "
-            "10m; the Placed condition says why.",
+            {"severity": "warning"},
+            "2 ModelServers cannot be placed",
+            "For 10m, 2 ModelServers have had replicas that no GPUs have room for (static "
+            "memory plus kvCache.min); `kubectl get modelservers -A` lists them and their "
+            "Placed condition says why.",
             "kvsharemodelserverunschedulable",
         ),
     ),
-    # qwen-7b wants 2 replicas and has 1 ready; llama has all of its 1 ready.
+    # One ModelServer Starting from minute 2 and never Ready; the others are Ready.
     _case(
         [
-            (f"kvshare_modelserver_replicas{{{MS_A}}}", "2x30"),
-            (f"kvshare_modelserver_ready_replicas{{{MS_A}}}", "1x30"),
-            (f"kvshare_modelserver_replicas{{{MS_B}}}", "1x30"),
-            (f"kvshare_modelserver_ready_replicas{{{MS_B}}}", "1x30"),
+            (f'kvshare_modelservers{{{OP_A}, phase="Starting"}}', "0 0 1x28"),
+            (f'kvshare_modelservers{{{OP_A}, phase="Pending"}}', "0x30"),
+            (f'kvshare_modelservers{{{OP_A}, phase="Degraded"}}', "0x30"),
+            (f'kvshare_modelservers{{{OP_A}, phase="Ready"}}', "4x30"),
         ],
         "KVShareModelServerNotReady",
         "10m",
         "20m",
         _alert(
-            {"severity": "warning", "namespace": "llm", "modelserver": "qwen-7b"},
-            "ModelServer llm/qwen-7b is not ready",
-            "1 replicas have not been ready for 15m.",
+            {"severity": "warning"},
+            "1 ModelServers are not ready",
+            "For 15m, 1 ModelServers have been Pending, Starting or Degraded instead of Ready; "
+            "`kubectl get modelservers -A` lists them.",
             "kvsharemodelservernotready",
         ),
     ),
