@@ -77,7 +77,7 @@ class PrometheusServer:
                 {
                     "job_name": t.job,
                     "static_configs": [{"targets": [t.address], "labels": t.labels}],
-                }  # fmt: skip
+                }
                 for t in targets
             ],
         }

@@ -18,7 +18,7 @@ import yaml
 from tests.chart.helm import CHART, ROOT, template
 
 sys.path.insert(0, str(ROOT / "tools"))
-import chart_rbac  # noqa: E402
+import chart_rbac
 
 CASES = [pytest.param(file, module, id=file) for file, module in chart_rbac.SOURCES.items()]
 
