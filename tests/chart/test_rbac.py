@@ -1,14 +1,14 @@
 """The chart grants each program exactly the API calls it makes, and nothing more.
 
-The programs list their calls as data (``kvshare.operator.rbac``, ``kvshare.deviceplugin.rbac``)
-and their own tests check every request the running program sends against that list (the
-operator's against kmock over HTTP). Here: the chart's rule files are what ``make rbac``
-generates from those lists, and the ClusterRoles helm renders hold exactly those rules.
+The programs list their calls as data (``kvshare.operator.rbac``,
+``kvshare.deviceplugin.publisher``) and their own tests check every request the running
+program sends against that list (against kmock over HTTP). Here: the chart's rule files are
+what ``make rbac`` generates from those lists, and the ClusterRoles helm renders hold exactly
+those rules.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from typing import Any
 
@@ -20,29 +20,28 @@ from tests.chart.helm import CHART, ROOT, template
 sys.path.insert(0, str(ROOT / "tools"))
 import chart_rbac
 
-CASES = [pytest.param(file, module, id=file) for file, module in chart_rbac.SOURCES.items()]
+CASES = [pytest.param(file, id=file) for file in chart_rbac.SOURCES]
 
 
-def _rules_or_skip(module: str) -> list[dict[str, Any]]:
-    if importlib.util.find_spec(module) is None:
+def _rules_or_skip(file: str) -> list[dict[str, Any]]:
+    if not chart_rbac.available(file):
         pytest.skip(
-            f"{module} does not exist in this tree: the node agent has not been merged into "
-            "this branch, so its RBAC rules cannot be derived from its code yet"
+            f"{chart_rbac.SOURCES[file][0]} does not exist in this tree: the program has not "
+            "been merged into this branch, so its RBAC rules cannot be derived from its code yet"
         )
-    rules: list[dict[str, Any]] = importlib.import_module(module).rbac_rules()
-    return rules
+    return chart_rbac.rules(file)
 
 
-@pytest.mark.parametrize(("file", "module"), CASES)
-def test_chart_rule_file_is_generated_from_the_programs_api_calls(file: str, module: str) -> None:
-    _rules_or_skip(module)
+@pytest.mark.parametrize("file", CASES)
+def test_chart_rule_file_is_generated_from_the_programs_api_calls(file: str) -> None:
+    _rules_or_skip(file)
     shipped = (CHART / "rbac" / file).read_text(encoding="utf-8")
-    assert shipped == chart_rbac.render(module), f"charts/kvshare/rbac/{file} is stale: make rbac"
+    assert shipped == chart_rbac.render(file), f"charts/kvshare/rbac/{file} is stale: make rbac"
 
 
-@pytest.mark.parametrize(("file", "module"), CASES)
-def test_rendered_clusterrole_holds_exactly_the_programs_rules(file: str, module: str) -> None:
-    rules = _rules_or_skip(module)
+@pytest.mark.parametrize("file", CASES)
+def test_rendered_clusterrole_holds_exactly_the_programs_rules(file: str) -> None:
+    rules = _rules_or_skip(file)
     suffix = "-" + file.removesuffix(".yaml")
     role = template().one("ClusterRole", suffix)
     assert role["rules"] == rules
