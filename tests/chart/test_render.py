@@ -11,6 +11,7 @@ offline: their rules are checked by promtool (test_alerts.py), their shape here.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -357,3 +358,29 @@ def test_notes_warn_when_monitoring_is_asked_for_without_the_prometheus_operator
     with_api = notes({"monitoring.enabled": True}, PROMETHEUS_OPERATOR, workdir=tmp_path / "b")
     assert "does not serve" not in with_api
     assert 'job="kvshare-node-agent"' in with_api
+
+
+@pytest.mark.parametrize(("values", "apis"), _CASES)
+def test_programs_accept_every_flag_the_chart_passes(
+    values: dict[str, Any], apis: tuple[str, ...]
+) -> None:
+    """The kvshare command line parses the containers' args exactly as the image runs them
+    (ENTRYPOINT kvshare), for every configuration of the matrix."""
+    from kvshare.cli import SUBCOMMANDS, build_parser
+
+    rendered = template(values, apis)
+    for kind in ("Deployment", "DaemonSet"):
+        container = _pod_spec(rendered, kind)["containers"][0]
+        if container["args"][0] not in SUBCOMMANDS:
+            pytest.skip(f"`kvshare {container['args'][0]}` is not in this tree yet (not merged)")
+        # Kubernetes expands $(VAR) from the container's env; any value will do here.
+        names_set = {e["name"] for e in container["env"]}
+        args = []
+        for arg in container["args"]:
+            for name in re.findall(r"\$\((\w+)\)", arg):
+                assert name in names_set, f"{kind}: $({name}) is not in the container's env"
+            args.append(re.sub(r"\$\((\w+)\)", "value", arg))
+        try:
+            build_parser().parse_args(args)
+        except SystemExit:
+            pytest.fail(f"{kind}: kvshare refuses {args}")
