@@ -64,21 +64,27 @@ ROWS: tuple[Row, ...] = (
                 "GPU memory of $gpu",
                 "Where each GPU's memory goes, stacked to its total: static footprints "
                 "(weights, activations, CUDA context) of the pools on it, KV cache mapped "
-                "for blocks in use, KV cache holding prefix-cache blocks (given back first "
-                "under pressure), and free memory.",
+                "for blocks in use, KV cache mapped but not in use (prefix-cache blocks, "
+                "given back first under pressure), and memory no pool has mapped.",
                 (
                     Query(
                         f"sum by (node, gpu) (kvshare_gpu_memory_static_bytes{{{GPU}}})", "static"
                     ),
                     Query(
-                        f"sum by (node, gpu) (kvshare_pool_kv_mapped_bytes{{{GPU}}})"
-                        f" - sum by (node, gpu) (kvshare_pool_kv_cached_bytes{{{GPU}}})",
-                        "KV mapped",
+                        f"sum by (node, gpu) (kvshare_gpu_kv_used_bytes{{{GPU}}})",
+                        "KV mapped, in use",
                     ),
                     Query(
-                        f"sum by (node, gpu) (kvshare_pool_kv_cached_bytes{{{GPU}}})", "KV cached"
+                        f"sum by (node, gpu) (kvshare_gpu_kv_mapped_bytes{{{GPU}}})"
+                        f" - sum by (node, gpu) (kvshare_gpu_kv_used_bytes{{{GPU}}})",
+                        "KV cached",
                     ),
-                    Query(f"sum by (node, gpu) (kvshare_gpu_memory_free_bytes{{{GPU}}})", "free"),
+                    Query(
+                        f"sum by (node, gpu) (kvshare_gpu_memory_total_bytes{{{GPU}}})"
+                        f" - sum by (node, gpu) (kvshare_gpu_memory_static_bytes{{{GPU}}})"
+                        f" - sum by (node, gpu) (kvshare_gpu_kv_mapped_bytes{{{GPU}}})",
+                        "free",
+                    ),
                 ),
                 unit="bytes",
                 stacked=True,

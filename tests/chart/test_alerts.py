@@ -13,11 +13,13 @@ from tests.chart.helm import ROOT
 from tests.chart.prometheus import promtool, rendered_rules, write_yaml
 
 RUNBOOKS = "https://github.com/kvshare/kvshare/blob/main/docs/runbooks.md"
-POOL_A = 'node="gpu-1", gpu="GPU-a", namespace="llm", pod="qwen-7b-0", modelserver="qwen-7b"'
-POOL_B = 'node="gpu-1", gpu="GPU-a", namespace="llm", pod="llama-0", modelserver="llama"'
+POOL_A_LABELS = {"node": "gpu-1", "gpu": "GPU-a", "namespace": "llm", "pod": "qwen-7b-0",
+                 "modelserver": "qwen-7b", "rank": "0", "pool": "llm/qwen-7b-0"}  # fmt: skip
+POOL_A = ", ".join(f'{k}="{v}"' for k, v in POOL_A_LABELS.items())
+POOL_B = ('node="gpu-1", gpu="GPU-a", namespace="llm", pod="llama-0", modelserver="llama", '
+          'rank="0", pool="llm/llama-0"')  # fmt: skip
 OP_A = 'job="kvshare-operator", instance="10.0.0.1:8080"'
 OP_B = 'job="kvshare-operator", instance="10.0.0.2:8080"'
-MIB = 2**20
 
 
 def _alert(labels: dict[str, str], summary: str, description: str, runbook: str) -> dict[str, Any]:
@@ -63,11 +65,13 @@ CASES = [
             "kvsharenodeagentdown",
         ),
     ),
-    # One denial per second on GPU-a (above 0.1/s) for 30 minutes; GPU-b denies once a minute.
+    # One denial per second on GPU-a (above 0.1/s) for 30 minutes; GPU-b denies once a
+    # minute for want of room, and many times a second against a pool's own kvCache.max.
     _case(
         [
-            ('kvshare_broker_denials_total{node="gpu-1", gpu="GPU-a"}', "0+60x40"),
-            ('kvshare_broker_denials_total{node="gpu-1", gpu="GPU-b"}', "0+1x40"),
+            ('kvshare_broker_denials_total{node="gpu-1", gpu="GPU-a", reason="full"}', "0+60x40"),
+            ('kvshare_broker_denials_total{node="gpu-1", gpu="GPU-b", reason="full"}', "0+1x40"),
+            ('kvshare_broker_denials_total{node="gpu-1", gpu="GPU-b", reason="max"}', "0+600x40"),
         ],
         "KVShareBrokerDenialsSustained",
         "12m",
@@ -80,50 +84,37 @@ CASES = [
             "kvsharebrokerdenialssustained",
         ),
     ),
-    # Pool A maps two pages more than its lease from minute 3; pool B only one page more.
+    # The audit flags pool A from minute 3; pool B is never flagged.
     _case(
         [
-            (f'kvshare_pool_kv_lease_bytes{{{POOL_A}, rank="0"}}', f"{512 * MIB}x10"),
-            (
-                f'kvshare_pool_kv_mapped_bytes{{{POOL_A}, rank="0"}}',
-                f"{512 * MIB}x2 {516 * MIB}x8",
-            ),
-            (f'kvshare_pool_kv_lease_bytes{{{POOL_B}, rank="0"}}', f"{512 * MIB}x10"),
-            (f'kvshare_pool_kv_mapped_bytes{{{POOL_B}, rank="0"}}', f"{514 * MIB}x10"),
+            (f"kvshare_pool_over_lease{{{POOL_A}}}", "0 0 0 1x8"),
+            (f"kvshare_pool_over_lease{{{POOL_B}}}", "0x10"),
         ],
         "KVSharePoolOverLease",
         "4m",
         "6m",
         _alert(
-            {
-                "severity": "critical",
-                "node": "gpu-1",
-                "gpu": "GPU-a",
-                "namespace": "llm",
-                "pod": "qwen-7b-0",
-                "modelserver": "qwen-7b",
-                "rank": "0",
-            },
+            {"severity": "critical", **POOL_A_LABELS},
             "pool of llm/qwen-7b-0 holds more than its lease",
-            "Rank 0 of llm/qwen-7b-0 maps more GPU memory than the broker granted it (plus one "
+            "Rank 0 of llm/qwen-7b-0 holds more GPU memory than the broker granted it (plus one "
             "page): its neighbours on GPU GPU-a can run out of memory.",
             "kvsharepooloverlease",
         ),
     ),
-    # One reclaim overdue at minute 5 on GPU-a; none on GPU-b.
+    # Pool A misses its deadline at minute 5 and releases at minute 9; pool B never misses.
     _case(
         [
-            ('kvshare_broker_reclaims_overdue_total{node="gpu-1", gpu="GPU-a"}', "0x5 1x10"),
-            ('kvshare_broker_reclaims_overdue_total{node="gpu-1", gpu="GPU-b"}', "0x15"),
+            (f"kvshare_pool_reclaim_overdue{{{POOL_A}}}", "0x4 1x4 0x6"),
+            (f"kvshare_pool_reclaim_overdue{{{POOL_B}}}", "0x15"),
         ],
         "KVShareReclaimOverdue",
         "4m",
         "7m",
         _alert(
-            {"severity": "warning", "node": "gpu-1", "gpu": "GPU-a"},
-            "a pool on gpu-1 did not give memory back in time",
-            "Reclaims on GPU GPU-a passed their deadline in the last 10 minutes: a pool holding "
-            "memory another pool is waiting for is not shrinking.",
+            {"severity": "warning", **POOL_A_LABELS},
+            "pool of llm/qwen-7b-0 did not give memory back in time",
+            "The broker asked the pool on GPU GPU-a of gpu-1 to shrink and its deadline passed: "
+            "memory another pool is waiting for is still held.",
             "kvsharereclaimoverdue",
         ),
     ),

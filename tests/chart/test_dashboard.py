@@ -73,8 +73,8 @@ def test_dashboard_has_the_panels_users_look_for() -> None:
     gpu = titles["GPU memory of $gpu"]
     assert gpu["repeat"] == "gpu"
     assert gpu["fieldConfig"]["defaults"]["custom"]["stacking"]["mode"] == "normal"
-    assert [t["legendFormat"] for t in gpu["targets"]] == ["static", "KV mapped", "KV cached",
-                                                           "free"]  # fmt: skip
+    legends = [t["legendFormat"] for t in gpu["targets"]]
+    assert legends == ["static", "KV mapped, in use", "KV cached", "free"]
     kv = titles["KV cache of $modelserver"]
     assert [t["legendFormat"] for t in kv["targets"]] == ["used", "min", "lease", "max"]
     broker = " ".join(panel_queries({"panels": [titles["Broker decisions per second"]]}))
