@@ -5,13 +5,16 @@ series for every query of the dashboard."""
 
 from __future__ import annotations
 
+import contextlib
+import shutil
 import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from kvshare.cli import SUBCOMMANDS
 from tests.chart.helm import CHART
 from tests.chart.live import Target, http_get, operator_on_kmock, prometheus
 from tests.chart.prometheus import label_values_metric, tool
@@ -22,6 +25,16 @@ from tests.chart.test_dashboard import (
     variable_queries,
 )
 
+try:
+    from tests.deviceplugin.conftest import AgentProcess, PoolProcess, wait_until
+
+    NODE_AGENT_MISSING = ""
+except ImportError as exc:  # the node agent is not in this tree
+    NODE_AGENT_MISSING = str(exc)
+
+MIB = 2**20
+#: What the broker can lend on the fake 2 GiB GPU after its 256 MiB headroom.
+BUDGET = 2048 * MIB - 256 * MIB
 CHECK_METRICS = CHART / "files" / "check_metrics.py"
 
 
@@ -90,9 +103,87 @@ async def test_prometheus_scraping_the_operator_answers_its_dashboard_queries(
                 assert server.wait_until(query, query), query
 
 
-def test_node_agent_is_runnable() -> None:
-    if "node" not in SUBCOMMANDS:
+def _node_agent_or_skip() -> None:
+    if NODE_AGENT_MISSING:
         pytest.skip(
-            "`kvshare node` is not in this tree: the node agent has not been merged into this "
-            "branch, so its /metrics cannot be run through promtool or scraped yet"
+            "`kvshare node` and its test processes (tests/deviceplugin) are not in this tree: "
+            f"the node agent has not been merged into this branch ({NODE_AGENT_MISSING})"
         )
+
+
+@contextlib.contextmanager
+def node_agent_with_traded_memory() -> Iterator[AgentProcess]:
+    """``kvshare node`` on one fake 2 GiB GPU with two real pools (KVPool on the host
+    backend, leasing through BrokerLease) that trade memory: grants, a denial while the
+    broker waits for memory, a reclaim and its completion all happen for real."""
+    directory = Path(tempfile.mkdtemp(prefix="kvc", dir="/tmp"))
+    agent = AgentProcess(directory, "1x2Gi", ["--headroom", "256Mi"])
+    pools: list[PoolProcess] = []
+    try:
+        agent.start()
+        socket_args = ["--socket", str(agent.broker_socket), "--gpu", agent.gpus[0].uuid]
+        for pod in ("a", "b"):
+            pool = PoolProcess([*socket_args, "--pod", pod, "--kv-min", str(128 * MIB),
+                                "--kv-max", str(BUDGET)])  # fmt: skip
+            assert pool.error is None, pool.error
+            pools.append(pool)
+        a, b = pools
+        a.demand(BUDGET)  # A's traffic peaks: it borrows all that B is not guaranteed
+        wait_until(lambda: a.status()["used"] >= 1536 * MIB, 60, "A to use what it borrowed")
+        a.demand(256 * MIB)  # A's traffic drops but it keeps its lease ...
+        b.demand(1280 * MIB)  # ... until B's rises: the broker reclaims from A
+        wait_until(lambda: b.status()["used"] >= 1280 * MIB, 60, "B to grow into A's memory")
+        yield agent
+    finally:
+        for pool in pools:
+            if pool.process.poll() is None:
+                pool.kill()
+        if agent.process is not None and agent.process.poll() is None:
+            agent.stop()
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def test_node_agent_metrics_pass_promtool_check_metrics() -> None:
+    _node_agent_or_skip()
+    with node_agent_with_traded_memory() as agent:
+        text = agent.metrics()
+    assert "kvshare_pool_kv_lease_bytes{" in text
+    assert "kvshare_broker_reclaim_seconds_count{" in text
+    done = promtool_check_metrics(text)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_helm_test_script_passes_against_the_node_agent() -> None:
+    _node_agent_or_skip()
+    with node_agent_with_traded_memory() as agent:
+        done = check_metrics(f"127.0.0.1:{agent.metrics_port}")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.startswith(f"ok http://127.0.0.1:{agent.metrics_port}/metrics")
+
+
+@pytest.mark.asyncio
+async def test_prometheus_scraping_node_agent_and_operator_answers_every_dashboard_query(
+    tmp_path: Path,
+) -> None:
+    """Every query of the dashboard (panels and variables, all variables at "All") returns
+    series from a real Prometheus scraping a real node agent and a real operator."""
+    _node_agent_or_skip()
+    queries = _dashboard_queries()
+    async with operator_on_kmock(tmp_path) as operator_port:
+        with node_agent_with_traded_memory() as agent:
+            targets = [
+                Target("kvshare-operator", f"127.0.0.1:{operator_port}", {}),
+                # The node label the chart's PodMonitor adds from the pod's node name.
+                Target("kvshare-node-agent", f"127.0.0.1:{agent.metrics_port}",
+                       {"node": "test-node"}),
+            ]  # fmt: skip
+            with prometheus(tmp_path, targets) as server:
+                server.wait_until('up{job="kvshare-node-agent"} == 1', "the node agent scraped")
+                server.wait_until('up{job="kvshare-operator"} == 1', "the operator scraped")
+                empty = []
+                for query in queries:
+                    try:
+                        server.wait_until(query, query, timeout=30)
+                    except AssertionError:
+                        empty.append(query)
+                assert empty == [], f"queries with no series: {empty}"
