@@ -14,6 +14,13 @@ COPY pyproject.toml README.md ./
 COPY requirements/dev.lock requirements/dev.lock
 COPY src/ src/
 COPY tools/runtime_bundle.py tools/runtime_bundle.py
+# The kubelet device plugin API stubs are generated from the .proto, never committed: with
+# grpcio-tools in a throwaway virtualenv, before the package is built.
+RUN python -m venv /tmp/protoc \
+    && /tmp/protoc/bin/pip install --no-cache-dir --disable-pip-version-check \
+        --constraint requirements/dev.lock grpcio-tools \
+    && PYTHONPATH=src /tmp/protoc/bin/python -m kvshare.deviceplugin.protogen \
+    && rm -rf /tmp/protoc
 # The node agent and the operator with their dependencies, at the versions the tests ran
 # (the lock constrains them), in a virtualenv the final stage copies whole.
 RUN python -m venv /opt/kvshare/venv \
