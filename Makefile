@@ -10,12 +10,15 @@ LOCK   := requirements/dev.lock
 # Each install set is recorded by a stamp, so a target installs only what it needs.
 DEV_STAMP  := $(VENV)/.dev-installed
 DEMO_STAMP := $(VENV)/.demo-installed
+# The kubelet device plugin API stubs, generated from the .proto (never committed).
+PROTO_DIR   := src/kvshare/deviceplugin/v1beta1
+PROTO_STUBS := $(PROTO_DIR)/api_pb2.py
 # Tools the chart tests run, unpacked once into a git-ignored folder (cached wheels too).
 TOOLS := .tools
 HELM  := $(TOOLS)/bin/helm
 CHART := charts/kvshare
 
-.PHONY: help venv test lint format bench demo docs clean tools prometheus crds rbac dashboard runtime-bundle
+.PHONY: help venv proto test lint format bench demo docs clean tools prometheus crds rbac dashboard runtime-bundle
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -e 's/:.*## /\t/'
@@ -34,6 +37,11 @@ $(DEMO_STAMP): pyproject.toml $(LOCK) | $(PY)
 
 venv: $(DEV_STAMP)  ## create .venv with everything needed to develop
 
+$(PROTO_STUBS): $(PROTO_DIR)/api.proto src/kvshare/deviceplugin/protogen.py $(DEV_STAMP)
+	$(PY) -m kvshare.deviceplugin.protogen
+
+proto: $(PROTO_STUBS)  ## generate the kubelet device plugin API stubs from the .proto
+
 $(HELM): tools/fetch_helm.py | $(PY)
 	$(PY) tools/fetch_helm.py --dest $@ --cache $(TOOLS)/cache
 
@@ -42,10 +50,10 @@ prometheus:  ## Prometheus + promtool from Debian's package (apt-get, as root; i
 
 tools: $(HELM) prometheus  ## the binaries the chart tests run: helm, prometheus, promtool
 
-test: $(DEV_STAMP) tools  ## run the test suite
+test: $(DEV_STAMP) $(PROTO_STUBS) tools  ## run the test suite
 	$(PY) -m pytest
 
-lint: $(DEV_STAMP)  ## ruff (lint + format check) and mypy
+lint: $(DEV_STAMP) $(PROTO_STUBS)  ## ruff (lint + format check) and mypy
 	$(VENV)/bin/ruff check src tests bench tools
 	$(VENV)/bin/ruff format --check src tests bench tools
 	$(VENV)/bin/mypy
@@ -54,7 +62,7 @@ format: $(DEV_STAMP)  ## apply ruff's fixes and formatting
 	$(VENV)/bin/ruff check --fix src tests bench tools
 	$(VENV)/bin/ruff format src tests bench tools
 
-bench: $(DEV_STAMP)  ## run every benchmark and rewrite BENCHMARKS.md
+bench: $(DEV_STAMP) $(PROTO_STUBS)  ## run every benchmark and rewrite BENCHMARKS.md
 	$(PY) bench/run.py --all --write BENCHMARKS.md
 
 demo:  ## the elastic-vs-static demo on this machine (no GPU, no cluster)

@@ -12,12 +12,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kvshare.api import env
+from kvshare.deviceplugin import metrics as node_metrics
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 #: block name -> function producing its content.
 BLOCKS: dict[str, Callable[[], str]] = {
     "env-table": env.markdown_table,
+    "node-metrics": node_metrics.markdown_table,
 }
 
 
