@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.util
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -40,11 +39,6 @@ SOURCES: dict[str, tuple[str, Callable[[Any], Rules]]] = {
 }
 
 
-def available(file: str) -> bool:
-    """Whether the program behind ``file`` is in this source tree."""
-    return importlib.util.find_spec(SOURCES[file][0]) is not None
-
-
 def rules(file: str) -> Rules:
     """The ClusterRole rules of the program behind chart file ``file``."""
     module, read = SOURCES[file]
@@ -61,10 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dir", type=Path, default=CHART_RBAC, help="where to write the files")
     args = parser.parse_args(argv)
-    for file, (module, _) in SOURCES.items():
-        if not available(file):
-            print(f"chart_rbac: {module} does not exist; {file} left as it is", file=sys.stderr)
-            continue
+    for file in SOURCES:
         (args.dir / file).write_text(render(file), encoding="utf-8")
     return 0
 

@@ -24,13 +24,7 @@ from tests.chart.test_dashboard import (
     panel_queries,
     variable_queries,
 )
-
-try:
-    from tests.deviceplugin.conftest import AgentProcess, PoolProcess, wait_until
-
-    NODE_AGENT_MISSING = ""
-except ImportError as exc:  # the node agent is not in this tree
-    NODE_AGENT_MISSING = str(exc)
+from tests.deviceplugin.conftest import AgentProcess, PoolProcess, wait_until
 
 MIB = 2**20
 #: What the broker can lend on the fake 2 GiB GPU after its 256 MiB headroom.
@@ -87,30 +81,6 @@ def _dashboard_queries() -> list[str]:
     return queries
 
 
-@pytest.mark.asyncio
-async def test_prometheus_scraping_the_operator_answers_its_dashboard_queries(
-    tmp_path: Path,
-) -> None:
-    """The operator's panels, on a real Prometheus scraping a real operator process."""
-    operator_queries = [q for q in _dashboard_queries() if "kvshare-operator" in q or
-                        "kvshare_operator_" in q]  # fmt: skip
-    assert len(operator_queries) >= 3
-    async with operator_on_kmock(tmp_path) as port:
-        targets = [Target("kvshare-operator", f"127.0.0.1:{port}", {})]
-        with prometheus(tmp_path, targets) as server:
-            server.wait_until('up{job="kvshare-operator"} == 1', "the operator scraped")
-            for query in operator_queries:
-                assert server.wait_until(query, query), query
-
-
-def _node_agent_or_skip() -> None:
-    if NODE_AGENT_MISSING:
-        pytest.skip(
-            "`kvshare node` and its test processes (tests/deviceplugin) are not in this tree: "
-            f"the node agent has not been merged into this branch ({NODE_AGENT_MISSING})"
-        )
-
-
 @contextlib.contextmanager
 def node_agent_with_traded_memory() -> Iterator[AgentProcess]:
     """``kvshare node`` on one fake 2 GiB GPU with two real pools (KVPool on the host
@@ -144,7 +114,6 @@ def node_agent_with_traded_memory() -> Iterator[AgentProcess]:
 
 
 def test_node_agent_metrics_pass_promtool_check_metrics() -> None:
-    _node_agent_or_skip()
     with node_agent_with_traded_memory() as agent:
         text = agent.metrics()
     assert "kvshare_pool_kv_lease_bytes{" in text
@@ -154,7 +123,6 @@ def test_node_agent_metrics_pass_promtool_check_metrics() -> None:
 
 
 def test_helm_test_script_passes_against_the_node_agent() -> None:
-    _node_agent_or_skip()
     with node_agent_with_traded_memory() as agent:
         done = check_metrics(f"127.0.0.1:{agent.metrics_port}")
     assert done.returncode == 0, done.stdout + done.stderr
@@ -167,7 +135,6 @@ async def test_prometheus_scraping_node_agent_and_operator_answers_every_dashboa
 ) -> None:
     """Every query of the dashboard (panels and variables, all variables at "All") returns
     series from a real Prometheus scraping a real node agent and a real operator."""
-    _node_agent_or_skip()
     queries = _dashboard_queries()
     async with operator_on_kmock(tmp_path) as operator_port:
         with node_agent_with_traded_memory() as agent:
