@@ -19,6 +19,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from kvshare.api import env as env_module
 from kvshare.api import names
 from tests.chart.helm import (
     CERT_MANAGER,
@@ -383,3 +384,24 @@ def test_programs_accept_every_flag_the_chart_passes(
             build_parser().parse_args(args)
         except SystemExit:
             pytest.fail(f"{kind}: kvshare refuses {args}")
+
+
+def test_chart_defaults_agree_with_the_names_the_programs_use() -> None:
+    """Ports, the peering object, the webhook's path and its certificate files are the
+    programs' own defaults (kvshare.api.names), not a second copy that could drift."""
+    defaults = yaml.safe_load((CHART / "values.yaml").read_text(encoding="utf-8"))
+    assert defaults["operator"]["metricsPort"] == names.OPERATOR_METRICS_PORT
+    assert defaults["operator"]["peeringName"] == names.PEERING_NAME
+    assert defaults["nodeAgent"]["metricsPort"] == names.METRICS_PORT
+    assert defaults["nodeAgent"]["devicePluginDir"] == names.DEVICE_PLUGIN_DIR
+    assert defaults["webhook"]["port"] == names.WEBHOOK_PORT
+    rendered = template({"webhook.enabled": True})
+    (hook,) = rendered.one("MutatingWebhookConfiguration")["webhooks"]
+    assert hook["clientConfig"]["service"]["path"] == names.WEBHOOK_INJECT_PATH
+    secret = rendered.one("Secret", "-webhook-tls")
+    assert {names.WEBHOOK_CERT_FILE, names.WEBHOOK_KEY_FILE} <= set(secret["data"])
+    container = _pod_spec(rendered, "Deployment")["containers"][0]
+    (mount,) = [m for m in container["volumeMounts"] if m["name"] == "webhook-certificate"]
+    assert f"--webhook-cert-dir={mount['mountPath']}" in container["args"]
+    env = {e["name"] for e in container["env"]}
+    assert env_module.IMAGE.name in env
