@@ -11,17 +11,15 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import kmock
 import yaml
 
 from tests.chart.prometheus import tool
-from tests.operator.harness import OperatorProcess, wait_for, write_kubeconfig
-from tests.operator.kube import KubeCluster, declare_resources
+from tests.operator.harness import StartOperator, wait_for
 
 #: Generous: the suite must pass on a loaded 2-core machine.
 TIMEOUT = 90.0
@@ -39,23 +37,13 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-@contextlib.asynccontextmanager
-async def operator_on_kmock(workdir: Path) -> AsyncIterator[int]:
-    """``kvshare operator`` (a real process) against kmock; yields its metrics port."""
-    emulator = KubeCluster()
-    declare_resources(emulator)
-    async with emulator, kmock.Server(emulator) as server:
-        kubeconfig = write_kubeconfig(workdir / "kubeconfig", str(server.url))
-        peering = {"apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering",
-                   "metadata": {"name": "kvshare"}}  # fmt: skip
-        async with server.client.post("/apis/kopf.dev/v1/clusterkopfpeerings", json=peering) as r:
-            assert r.status < 400, await r.text()
-        process = OperatorProcess(kubeconfig, workdir / "operator.log", "operator-a")
-        try:
-            port = await wait_for(process.metrics_port, "the operator's metrics port", TIMEOUT)
-            yield port
-        finally:
-            await process.stop()
+async def operator_metrics_port(start_operator: StartOperator) -> int:
+    """Start ``kvshare operator`` (a real process) against the test's kmock cluster (the
+    operator tests' ``cluster``/``start_operator`` fixtures, which also check on teardown
+    that every API call it made is one the chart's RBAC, generated from the same list,
+    allows); returns its metrics port."""
+    process = start_operator("operator-a")
+    return await wait_for(process.metrics_port, "the operator's metrics port", TIMEOUT)
 
 
 @dataclass(frozen=True)

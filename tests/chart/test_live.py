@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.chart.helm import CHART
-from tests.chart.live import Target, http_get, operator_on_kmock, prometheus
+from tests.chart.live import Target, http_get, operator_metrics_port, prometheus
 from tests.chart.prometheus import label_values_metric, tool
 from tests.chart.test_dashboard import (
     dashboard,
@@ -25,6 +25,8 @@ from tests.chart.test_dashboard import (
     variable_queries,
 )
 from tests.deviceplugin.conftest import AgentProcess, PoolProcess, wait_until
+from tests.operator.conftest import cluster, start_operator  # noqa: F401 (fixtures)
+from tests.operator.harness import StartOperator, wait_for
 
 MIB = 2**20
 #: What the broker can lend on the fake 2 GiB GPU after its 256 MiB headroom.
@@ -50,9 +52,11 @@ def promtool_check_metrics(text: str) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.asyncio
-async def test_operator_metrics_pass_promtool_check_metrics(tmp_path: Path) -> None:
-    async with operator_on_kmock(tmp_path) as port:
-        text = http_get(f"http://127.0.0.1:{port}/metrics")
+async def test_operator_metrics_pass_promtool_check_metrics(
+    start_operator: StartOperator,  # noqa: F811
+) -> None:
+    port = await operator_metrics_port(start_operator)
+    text = http_get(f"http://127.0.0.1:{port}/metrics")
     assert "kvshare_operator_placements_total" in text
     done = promtool_check_metrics(text)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -60,12 +64,14 @@ async def test_operator_metrics_pass_promtool_check_metrics(tmp_path: Path) -> N
 
 @pytest.mark.asyncio
 async def test_helm_test_script_passes_against_the_operator_and_fails_without_it(
-    tmp_path: Path,
+    start_operator: StartOperator,  # noqa: F811
 ) -> None:
-    async with operator_on_kmock(tmp_path) as port:
-        done = check_metrics(f"127.0.0.1:{port}")
-        assert done.returncode == 0, done.stdout + done.stderr
-        assert done.stdout.startswith(f"ok http://127.0.0.1:{port}/metrics")
+    process = start_operator("operator-a")
+    port = await wait_for(process.metrics_port, "the operator's metrics port", 90)
+    done = check_metrics(f"127.0.0.1:{port}")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.startswith(f"ok http://127.0.0.1:{port}/metrics")
+    await process.stop()
     refused = check_metrics(f"127.0.0.1:{port}")
     assert refused.returncode == 1
     assert f"FAILED http://127.0.0.1:{port}/metrics" in refused.stdout
@@ -132,25 +138,28 @@ def test_helm_test_script_passes_against_the_node_agent() -> None:
 @pytest.mark.asyncio
 async def test_prometheus_scraping_node_agent_and_operator_answers_every_dashboard_query(
     tmp_path: Path,
+    start_operator: StartOperator,  # noqa: F811
 ) -> None:
     """Every query of the dashboard (panels and variables, all variables at "All") returns
     series from a real Prometheus scraping a real node agent and a real operator."""
     queries = _dashboard_queries()
-    async with operator_on_kmock(tmp_path) as operator_port:
-        with node_agent_with_traded_memory() as agent:
-            targets = [
-                Target("kvshare-operator", f"127.0.0.1:{operator_port}", {}),
-                # The node label the chart's PodMonitor adds from the pod's node name.
-                Target("kvshare-node-agent", f"127.0.0.1:{agent.metrics_port}",
-                       {"node": "test-node"}),
-            ]  # fmt: skip
-            with prometheus(tmp_path, targets) as server:
-                server.wait_until('up{job="kvshare-node-agent"} == 1', "the node agent scraped")
-                server.wait_until('up{job="kvshare-operator"} == 1', "the operator scraped")
-                empty = []
-                for query in queries:
-                    try:
-                        server.wait_until(query, query, timeout=30)
-                    except AssertionError:
-                        empty.append(query)
-                assert empty == [], f"queries with no series: {empty}"
+    operator_port = await operator_metrics_port(start_operator)
+    with node_agent_with_traded_memory() as agent:
+        targets = [
+            Target("kvshare-operator", f"127.0.0.1:{operator_port}", {}),
+            # The node label the chart's PodMonitor adds from the pod's node name.
+            Target("kvshare-node-agent", f"127.0.0.1:{agent.metrics_port}",
+                   {"node": "test-node"}),
+        ]  # fmt: skip
+        with prometheus(tmp_path, targets) as server:
+            server.wait_until('up{job="kvshare-node-agent"} == 1', "the node agent scraped")
+            server.wait_until('up{job="kvshare-operator"} == 1', "the operator scraped")
+            empty = []
+            for query in queries:
+                try:
+                    server.wait_until(query, query, timeout=30)
+                except AssertionError:
+                    empty.append(query)
+            assert empty == [], f"queries with no series: {empty}"
+            # The check can fail: a metric nothing exports has no series.
+            assert server.query("kvshare_no_such_metric_bytes") == []
