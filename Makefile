@@ -14,8 +14,12 @@ PROTOC_STAMP := $(VENV)/.protoc-installed
 # The kubelet device plugin API stubs, generated from the .proto (never committed).
 PROTO_DIR   := src/kvshare/deviceplugin/v1beta1
 PROTO_STUBS := $(PROTO_DIR)/api_pb2.py
+# Tools the chart tests run, unpacked once into a git-ignored folder (cached wheels too).
+TOOLS := .tools
+HELM  := $(TOOLS)/bin/helm
+CHART := charts/kvshare
 
-.PHONY: help venv proto test lint format bench demo gpu-check docs clean
+.PHONY: help venv proto test lint format bench demo gpu-check docs clean tools prometheus crds rbac dashboard runtime-bundle
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -e 's/:.*## /\t/'
@@ -44,7 +48,15 @@ $(PROTO_STUBS): $(PROTO_DIR)/api.proto src/kvshare/deviceplugin/protogen.py $(PR
 
 proto: $(PROTO_STUBS)  ## generate the kubelet device plugin API stubs from the .proto
 
-test: $(DEV_STAMP) $(PROTO_STUBS)  ## run the test suite
+$(HELM): tools/fetch_helm.py | $(PY)
+	$(PY) tools/fetch_helm.py --dest $@ --cache $(TOOLS)/cache
+
+prometheus:  ## Prometheus + promtool from Debian's package (apt-get, as root; idempotent)
+	@bash tools/install-prometheus.sh
+
+tools: $(HELM) prometheus  ## the binaries the chart tests run: helm, prometheus, promtool
+
+test: $(DEV_STAMP) $(PROTO_STUBS) tools  ## run the test suite
 	$(PY) -m pytest
 
 lint: $(DEV_STAMP) $(PROTO_STUBS)  ## ruff (lint + format check) and mypy
@@ -71,5 +83,18 @@ gpu-check:  ## on an NVIDIA GPU machine with PyTorch: GPU tests, page costs, dec
 docs: $(DEV_STAMP)  ## regenerate the README's generated tables
 	$(PY) tools/update_readme.py
 
+crds: $(DEV_STAMP)  ## write the chart's CRDs from kvshare.api (the one source)
+	$(VENV)/bin/kvshare crds > $(CHART)/crds/kvshare.io.yaml
+
+rbac: $(DEV_STAMP)  ## write the chart's RBAC rules from the programs' lists of API calls
+	$(PY) tools/chart_rbac.py
+
+dashboard: $(DEV_STAMP)  ## write the chart's Grafana dashboard from tools/dashboard.py
+	$(PY) tools/dashboard.py > $(CHART)/dashboards/kvshare.json
+
+runtime-bundle: $(DEV_STAMP)  ## build the injected runtime into out/runtime (as the image does)
+	$(PY) tools/runtime_bundle.py --out out/runtime --wheelhouse $(TOOLS)/wheels \
+		--python-versions $(shell $(PY) -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
+
 clean:  ## remove the virtualenv and caches
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(TOOLS) out .pytest_cache .mypy_cache .ruff_cache .hypothesis
