@@ -197,6 +197,49 @@ def test_a_lowered_lease_evicts_cache_unmaps_emptied_pages_and_keeps_blocks_in_u
         assert torch.all(view[:, block] == block % 251)
 
 
+def test_a_lowered_lease_is_reached_under_a_backlog_that_takes_every_free_block(
+    make_pool: PoolFactory,
+) -> None:
+    """An engine with an endless queue: each step its oldest request finishes and it admits
+    new ones for as long as ``alloc`` gives blocks. Once every request that ran when the
+    lease was lowered has finished, the pool is within the lease: the pages it gave up
+    took no new blocks, so they emptied and were unmapped, and the engine kept serving
+    from the pages it kept."""
+    lease = MovableLease(8 * PAGE_BYTES)
+    pool = make_pool(GEOMETRY, lease=lease, reserve_pages=0)
+    rng = random.Random(7)
+    view = pool.tensor(0, 4)
+    running: list[tuple[list[int], int]] = []  # (blocks, the mark written into them)
+    marks = iter(range(10**6))
+
+    def admit() -> int:
+        admitted = 0
+        while ids := pool.alloc(rng.randint(1, 6)):
+            mark = next(marks) % 251
+            view[:, ids] = mark
+            running.append((ids, mark))
+            admitted += 1
+        return admitted
+
+    admit()
+    assert pool.snapshot().held == 8 * PAGE_BYTES
+    lease.set_limit(4 * PAGE_BYTES)
+    old_requests = len(running)
+    served_while_shrinking = 0
+    for _ in range(old_requests):
+        done, mark = running.pop(0)
+        assert torch.all(view[:, done] == mark)  # never moved or unmapped under it
+        pool.free(done)
+        served_while_shrinking += admit()
+        pool.maintain()
+        assert pool.snapshot().held <= 8 * PAGE_BYTES
+    snap = pool.snapshot()
+    assert snap.held <= snap.limit == 4 * PAGE_BYTES
+    assert host(pool).physical_bytes() <= 4 * PAGE_BYTES
+    assert served_while_shrinking > 0, "the kept pages went on serving the queue"
+    assert lease.reports[-1].held <= 4 * PAGE_BYTES
+
+
 def test_alloc_never_maps_beyond_the_lease(make_pool: PoolFactory) -> None:
     lease = MovableLease(6 * PAGE_BYTES)
     pool = make_pool(GEOMETRY, lease=lease, reserve_pages=3)

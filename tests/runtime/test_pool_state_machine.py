@@ -2,8 +2,9 @@
 
 After every step: no block is handed out twice, every page is mapped at most once and
 exactly the pages the pool accounts for are mapped, the pool never grows beyond its
-lease, the engine's data in blocks in use is intact, and after a maintenance pass every
-free page beyond the reserve is unmapped.
+lease, the engine's data in blocks in use is intact, after a maintenance pass every
+free page beyond the reserve is unmapped, and while the pool is over its lease it places
+new blocks in no more pages than the lease covers (so the other pages can empty).
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ class PoolMachine(RuleBasedStateMachine):
         self.cache = PrefixCache(self.pool)
         self.pool.set_evictor(self.cache)
         self.in_use: set[int] = set()
+        # Blocks allocated while the pool was over its current lease (reset when it moves).
+        self.placed_while_over: set[int] = set()
         self.view = self.pool.tensor(0, 2)
         self.held_before = self.pool.snapshot().held
 
@@ -50,9 +53,12 @@ class PoolMachine(RuleBasedStateMachine):
 
     @rule(n=st.integers(min_value=1, max_value=9))
     def alloc(self, n: int) -> None:
+        before = self.pool.snapshot()
         ids = self.pool.alloc(n)
         if not ids:
             return
+        if before.held > before.limit:
+            self.placed_while_over |= set(ids)
         assert len(ids) == n == len(set(ids))
         assert NULL_BLOCK not in ids
         assert not set(ids) & (self.in_use | set(self.cache.blocks))
@@ -66,6 +72,7 @@ class PoolMachine(RuleBasedStateMachine):
         chosen = data.draw(st.lists(st.sampled_from(sorted(self.in_use)), unique=True, min_size=1))
         self.pool.free(chosen)
         self.in_use -= set(chosen)
+        self.placed_while_over -= set(chosen)
 
     @precondition(lambda self: self.in_use)
     @rule(data=st.data())
@@ -88,10 +95,12 @@ class PoolMachine(RuleBasedStateMachine):
             raise AssertionError("a double free was accepted")
         assert self.pool.snapshot().used_blocks == before.used_blocks - 1
         self.in_use.discard(block)
+        self.placed_while_over.discard(block)
 
     @rule(pages=st.integers(min_value=0, max_value=6))
     def move_lease(self, pages: int) -> None:
         self.lease.set_limit(pages * PAGE_BYTES)
+        self.placed_while_over.clear()
 
     @rule()
     def maintain(self) -> None:
@@ -109,6 +118,14 @@ class PoolMachine(RuleBasedStateMachine):
         held = self.pool.snapshot().held
         assert held <= max(self.held_before, self.lease.limit()), "grew beyond the lease"
         self.held_before = held
+
+    @invariant()
+    def while_over_the_lease_new_blocks_stay_within_as_many_pages_as_it_covers(self) -> None:
+        snap = self.pool.snapshot()
+        if snap.held > snap.limit:
+            # Page 0 (the null block's) always stays in service, so it is always counted.
+            pages = {GEOMETRY.page_of(b) for b in self.placed_while_over} | {0}
+            assert len(pages) * PAGE_BYTES <= max(snap.limit, PAGE_BYTES)
 
     @invariant()
     def mapped_pages_are_exactly_the_pools(self) -> None:

@@ -15,6 +15,15 @@ Invariants
   ``held = mapped + busy`` pages. A lowered lease is honoured lazily: the pool stops
   growing, gives back ready pages, asks the engine to evict cached blocks, and unmaps
   pages as they empty; it never touches blocks in use.
+- While over its lease, the pool *keeps* at most ``limit`` pages that hold blocks and
+  *retires* the others: the emptiest ones (most free blocks, so they empty soonest),
+  never page 0 (the null block never leaves it). New blocks go only into kept pages;
+  a retired page takes no new block, and once its last block is freed it is unmapped.
+  So a backlog that refills every freed block cannot keep the pool over its lease: the
+  retired pages empty as the requests on them finish, while allocation fails with
+  :class:`Exhausted` once the kept pages are full (the engine queues or preempts). When
+  the lease rises again, or a kept page empties, retired pages go back into service,
+  fullest first.
 
 Allocation is best fit: a request is served from the partial page with the fewest free
 blocks that still fits it (pages with the fewest free blocks are filled first otherwise),
@@ -246,6 +255,9 @@ class KVPool:
         self._buckets: list[dict[int, None]] = [{} for _ in range(self._max_cap + 1)]
         self._mask = 0  # bit k set <=> _buckets[k] is not empty
         self._ready: dict[int, None] = {}
+        # Mapped pages given up while over the lease: no new blocks, unmapped once empty.
+        self._retiring: dict[int, None] = {}
+        self._planned_for = -1  # the limit (pages) the retiring set was chosen for
         self._unmapped = [p for p in range(self.geometry.num_pages) if self._cap[p]]
         heapq.heapify(self._unmapped)
         self._free_partial = 0  # free blocks in partial pages
@@ -339,6 +351,8 @@ class KVPool:
             if self._error is not None:
                 raise self._error
             self._allocs += 1
+            if self._planned_for != self._limit_pages:
+                self._plan_retiring()
             free = self._free_partial
             if self._held_pages <= self._limit_pages:
                 free += self._ready_blocks
@@ -441,7 +455,15 @@ class KVPool:
         cap = self._cap
         mask = self._mask
         wake = False
+        retiring = self._retiring
         for page, old in before.items():
+            if page in retiring:  # out of service: it only waits to empty
+                if len(fls[page]) == cap[page]:
+                    del retiring[page]
+                    self._ready[page] = None  # dropped by maintenance while over the lease
+                    self._ready_blocks += cap[page]
+                    wake = True
+                continue
             if old:
                 bucket = buckets[old]
                 del bucket[page]
@@ -495,6 +517,8 @@ class KVPool:
             with self._lock:
                 if self._error is not None:
                     raise self._error
+                if self._planned_for != self._limit_pages:
+                    self._plan_retiring()
                 over = self._held_pages > self._limit_pages
                 free = self._free_partial + (0 if over else self._ready_blocks)
                 if n <= free:
@@ -638,6 +662,56 @@ class KVPool:
         self._dropping += len(pages)
         return pages
 
+    def _plan_retiring(self) -> None:
+        """Retire or restore pages so that at most ``limit`` pages holding blocks stay in
+        service (see the module docstring). ``_lock`` held."""
+        limit = self._limit_pages
+        self._planned_for = limit
+        kept = self._mapped_pages - len(self._ready) - len(self._retiring)
+        if kept > limit:
+            self._retire(kept - limit)
+        elif kept < limit and self._retiring:
+            self._restore(limit - kept)
+
+    def _retire(self, count: int) -> None:
+        """Take the ``count`` emptiest pages in service (never page 0) out of it: partial
+        pages with the most free blocks first, then full pages. ``_lock`` held."""
+        buckets = self._buckets
+        chosen: list[int] = []
+        for free in range(self._max_cap, 0, -1):
+            if len(chosen) == count:
+                break
+            bucket = buckets[free]
+            for page in sorted(bucket, reverse=True):
+                if len(chosen) == count:
+                    break
+                if page:
+                    del bucket[page]
+                    self._free_partial -= free
+                    chosen.append(page)
+            if not bucket:
+                self._mask &= ~(1 << free)
+        retiring, ready, fls, state = self._retiring, self._ready, self._fl, self._pstate
+        for page in range(len(state) - 1, 0, -1):  # full pages, highest first
+            if len(chosen) == count:
+                break
+            full = state[page] == _MAPPED and not fls[page]
+            if full and page not in ready and page not in retiring:
+                chosen.append(page)
+        retiring.update(dict.fromkeys(chosen))
+
+    def _restore(self, count: int) -> None:
+        """Put up to ``count`` retired pages back into service, fullest first. ``_lock``
+        held."""
+        fls = self._fl
+        for page in sorted(self._retiring, key=lambda p: len(fls[p]))[:count]:
+            del self._retiring[page]
+            free = len(fls[page])
+            if free:
+                self._buckets[free][page] = None
+                self._mask |= 1 << free
+                self._free_partial += free
+
     def _evict_for_lease(self) -> bool:
         """Ask the engine to evict cached blocks to get under the lease; whether any went."""
         evictor = self._evictor
@@ -708,6 +782,7 @@ class KVPool:
         """Drop ready pages beyond the lease or the reserve, or refill the reserve within the
         lease. Whether anything changed."""
         with self._lock:
+            self._plan_retiring()
             over = self._held_pages - self._limit_pages
             if over > 0:
                 # Down to the lease, and the reserve trimmed as well in the same pass.
