@@ -40,6 +40,8 @@ def run(quick: bool) -> Result:
             "ratio": round(comparison.ratio, 3),
             "static_p95_wait_s": round(comparison.static.p95_wait_s, 3),
             "elastic_p95_wait_s": round(comparison.elastic.p95_wait_s, 3),
+            "static_abandoned": comparison.static.abandoned,
+            "elastic_abandoned": comparison.elastic.abandoned,
             "offered": len(outcome.trace.requests),
             "over_commitments": len(outcome.pool_violations) + len(outcome.broker_violations),
             "inconsistencies": len(outcome.problems),

@@ -167,25 +167,43 @@ def test_advance_takes_every_step_due_and_no_more(pools: list[KVPool]) -> None:
     assert sim.clock == pytest.approx(0.1)
 
 
-def test_no_admission_while_the_pool_gives_memory_back_but_running_requests_grow(
+def test_a_client_out_of_patience_before_its_first_token_abandons_the_request(
     pools: list[KVPool],
 ) -> None:
-    open_ = {"now": True}
-    pool = make_pool(40)
+    # 10 blocks: a holds 7 to 10 of them for 50 steps (1 s); b needs 7 and cannot start
+    # before a is done, but its client waits only 0.5 s.
+    pool = make_pool(10)
     pools.append(pool)
-    sim = EngineSim(
-        [req(0, 30, 40), req(1, 30, 40, arrival=0.1)],
-        pool,
-        block_tokens=BLOCK_TOKENS,
-        step_s=STEP_S,
-        admission_open=lambda: open_["now"],
-    )
-    sim.step()
-    open_["now"] = False
-    for _ in range(30):
-        sim.step()
-    assert sim.sample().running == 1 and sim.sample().waiting == 1
-    assert sim.used_blocks() == 4  # 30 + 31 tokens: grown from 2 blocks to 4
-    open_["now"] = True
+    requests = [req(0, 100, 50), req(1, 100, 5, arrival=0.1), req(2, 10, 5, arrival=3.0)]
+    sim = EngineSim(requests, pool, block_tokens=BLOCK_TOKENS, step_s=STEP_S, patience_s=0.5)
+    sim.advance(0.6)
+    assert sim.stats.abandoned == 0 and sim.sample().waiting == 1
+    sim.advance(0.7)  # b has waited more than 0.5 s: its client left
+    assert sim.stats.abandoned == 1 and sim.sample().waiting == 0
     run_to_end(sim)
-    assert sim.stats.served == 2
+    assert sim.finished()
+    assert sim.stats.served == 2 and sim.stats.arrived == 3
+    waits, arrivals = sim.waits()
+    assert dict(zip(arrivals, waits, strict=True))[0.1] == pytest.approx(0.5)
+    assert len(waits) == 3  # every arrived request has a delay, abandoned ones included
+
+
+def test_a_preempted_request_already_had_its_first_token_and_is_never_abandoned(
+    pools: list[KVPool],
+) -> None:
+    # Both start with 4 blocks and grow to 10: one is preempted and waits about 2 s for
+    # the other to finish, longer than the patience, yet its client stays.
+    pool = make_pool(10)
+    pools.append(pool)
+    requests = [req(0, 60, 100), req(1, 60, 100)]
+    sim = EngineSim(requests, pool, block_tokens=BLOCK_TOKENS, step_s=STEP_S, patience_s=0.5)
+    run_to_end(sim)
+    assert sim.stats.preemptions >= 1
+    assert sim.stats.served == 2 and sim.stats.abandoned == 0
+
+
+def test_patience_must_be_positive(pools: list[KVPool]) -> None:
+    pool = make_pool(4)
+    pools.append(pool)
+    with pytest.raises(ValueError, match="patience_s must be > 0"):
+        EngineSim([], pool, block_tokens=BLOCK_TOKENS, step_s=STEP_S, patience_s=0)

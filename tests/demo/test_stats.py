@@ -19,6 +19,7 @@ def sample(
     return Sample(
         t=t,
         served=served,
+        abandoned=0,
         arrived=served,
         waiting=0,
         running=0,
@@ -36,6 +37,7 @@ def result(mode: stats.Mode, model: int, samples: list[Sample], **counts: object
         "offered": 10,
         "arrived": 4,
         "served": 3,
+        "abandoned": 0,
         "preemptions": 1,
         "reclaims": 0,
         "reclaimed_bytes": 0,
@@ -118,7 +120,9 @@ def test_a_pool_growing_beyond_its_lease_is_an_over_commitment() -> None:
 def test_counts_that_disagree_with_the_trace_are_reported() -> None:
     assert stats.check_consistency(result("static", 0, [])) == []
     served_too_many = result("static", 0, [], served=5)
-    assert "served 5 <= arrived 4" in stats.check_consistency(served_too_many)[0]
+    assert "served 5 + abandoned 0 <= arrived 4" in stats.check_consistency(served_too_many)[0]
+    gave_up_too_many = result("static", 0, [], abandoned=2)
+    assert "served 3 + abandoned 2 <= arrived 4" in stats.check_consistency(gave_up_too_many)[0]
     missing_delay = result("static", 0, [], waits_s=[1.0], wait_arrivals_s=[0.0])
     assert "1 queueing delays for 4 arrived" in stats.check_consistency(missing_delay)[0]
 

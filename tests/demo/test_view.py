@@ -14,6 +14,7 @@ def sample(held: int, served: int, waiting: int) -> Sample:
     return Sample(
         t=1.0,
         served=served,
+        abandoned=0,
         arrived=served + waiting,
         waiting=waiting,
         running=1,

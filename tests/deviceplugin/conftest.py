@@ -194,9 +194,9 @@ class PoolProcess:
 def pool_factory() -> Iterator[Callable[..., PoolProcess]]:
     pools: list[PoolProcess] = []
 
-    def make(agent: AgentProcess, pod: str, **policy: int) -> PoolProcess:
+    def make(agent: AgentProcess, pod: str, **options: float) -> PoolProcess:
         args = ["--socket", str(agent.broker_socket), "--gpu", agent.gpus[0].uuid, "--pod", pod]
-        for key, value in policy.items():
+        for key, value in options.items():
             args += [f"--{key.replace('_', '-')}", str(value)]
         pool = PoolProcess(args)
         pools.append(pool)

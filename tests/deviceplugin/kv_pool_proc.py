@@ -21,9 +21,14 @@ import sys
 import threading
 
 from kvshare.runtime.backends import open_backend
-from kvshare.runtime.broker_client import BrokerLease, PoolIdentity, PoolPolicy
+from kvshare.runtime.broker_client import (
+    DEFAULT_SLOW_START_WINDOW_S,
+    BrokerLease,
+    PoolIdentity,
+    PoolPolicy,
+)
 from kvshare.runtime.geometry import KVGeometry
-from kvshare.runtime.pool import KVPool
+from kvshare.runtime.pool import DEFAULT_LEASE_CHUNK_BYTES, KVPool
 
 PAGE = 2 * 2**20
 
@@ -87,6 +92,10 @@ def main() -> int:
     parser.add_argument("--kv-max", type=int, default=None)
     parser.add_argument("--priority", type=int, default=100)
     parser.add_argument("--blocks", type=int, default=1024)
+    parser.add_argument("--chunk", type=int, default=None, help="lease growth step, bytes")
+    parser.add_argument(
+        "--slow-start-window", type=float, default=DEFAULT_SLOW_START_WINDOW_S, metavar="S"
+    )
     args = parser.parse_args()
     lease = BrokerLease(
         args.gpu,
@@ -96,11 +105,18 @@ def main() -> int:
         identity=PoolIdentity(namespace="test", pod=args.pod),
         socket_path=args.socket,
         report_interval_s=0.01,
+        chunk_bytes=args.chunk,
+        slow_start_window_s=args.slow_start_window,
     )
     geometry = KVGeometry(num_buffers=1, block_bytes=PAGE, num_blocks=args.blocks + 1,
                           page_size=PAGE)  # fmt: skip
     try:
-        pool = KVPool(geometry, open_backend("host"), lease)
+        pool = KVPool(
+            geometry,
+            open_backend("host"),
+            lease,
+            lease_chunk_bytes=args.chunk or DEFAULT_LEASE_CHUNK_BYTES,
+        )
     except Exception as exc:
         print(json.dumps({"error": str(exc)}), flush=True)
         return 3

@@ -394,7 +394,7 @@ def test_an_engine_that_skipped_its_turn_makes_the_broker_reclaim_room_for_its_w
     assert asked[borrower].limit <= 14 * GIB - 5 * GIB
 
 
-def test_a_reclaim_below_blocks_that_went_into_use_asks_for_what_can_be_given() -> None:
+def test_a_reclaim_into_blocks_in_use_stands_until_the_pool_has_released_them() -> None:
     events = RecordingEvents()
     books = Books([GPU], headroom=GIB, reclaim_deadline_s=5.0, events=events)
     a = admit(books, "a", 10, priority=1)
@@ -402,14 +402,87 @@ def test_a_reclaim_below_blocks_that_went_into_use_asks_for_what_can_be_given() 
     books.report(a, Report(mapped=GIB, used=GIB, cached=0, reserved=0), 0.0)
     b = admit(books, "b", 11, priority=500)
     asked = reclaims(books.want(b, 1, 8 * GIB, 1.0))[a]
-    # Meanwhile A's engine filled 3 GiB of blocks under its old lease.
+    before = books.pool(b).lease  # type: ignore[union-attr]
+    # Meanwhile A's engine filled more blocks under its old lease: the pool releases them
+    # as their requests finish, so the broker neither lowers its demand nor hands the
+    # memory on before the release.
     used = asked.limit + GIB
-    again = reclaims(books.report(a, Report(mapped=used, used=used, cached=0, reserved=0), 2.0))
-    assert again[a].limit == used and again[a].seq != asked.seq
-    assert again[a].deadline_s == pytest.approx(5.0 - 1.0)  # the first deadline still holds
-    granted = leases(ack(books, a, again[a], 3.0))
-    assert granted[b] > books.pool(b).kv_min  # type: ignore[union-attr]
+    assert reclaims(books.report(a, Report(used, used, 0, 0), 2.0)) == {}
+    assert books.pool(b).lease == before  # type: ignore[union-attr]
+    granted = leases(ack(books, a, asked, 3.0))
+    assert granted[b] > before
     assert events.overdue == []
+    books.check()
+
+
+def test_idle_lease_of_a_quiet_pool_goes_to_a_waiter_in_one_round() -> None:
+    books = Books([GPU], headroom=GIB)  # budget 11 GiB for two pools with 2 GiB static each
+    quiet = admit(books, "quiet", 10, kv_min=0)
+    books.want(quiet, 1, 9 * GIB, 0.0)  # its burst is over: 9 GiB leased, 1 GiB held
+    books.report(quiet, Report(mapped=GIB, used=GIB // 2, cached=0, reserved=0), 1.0)
+    busy = admit(books, "busy", 11, kv_min=0)
+    sends = books.want(busy, 1, 10 * GIB, 2.0)
+    assert leases(sends) == {busy: 2 * GIB}  # what was unleased, at once
+    asked = reclaims(sends)
+    # Not one chunk at a time: all the busy pool is short of, from what the quiet pool
+    # neither holds nor uses, in one reclaim.
+    assert asked[quiet].limit == GIB
+    granted = leases(ack(books, quiet, asked[quiet], 2.01))
+    assert granted[busy] == 10 * GIB
+    books.check()
+
+
+def test_idle_lease_is_taken_before_blocks_in_use_whatever_the_priorities() -> None:
+    books = Books([GPU], headroom=GIB)  # three pools with 2 GiB static: budget 9 GiB
+    low = admit(books, "low", 10, kv_min=0, priority=10)
+    books.want(low, 1, 4 * GIB, 0.0)
+    books.report(low, Report(mapped=4 * GIB, used=4 * GIB, cached=0, reserved=0), 0.0)
+    idle = admit(books, "idle", 11, kv_min=0, priority=100)
+    books.want(idle, 1, 4 * GIB, 0.0)
+    books.report(idle, Report(mapped=GIB, used=GIB, cached=0, reserved=0), 0.0)
+    waiter = admit(books, "waiter", 12, kv_min=0, priority=100)
+    asked = reclaims(books.want(waiter, 1, 3 * GIB, 1.0))
+    assert asked.keys() == {idle} and asked[idle].limit == 2 * GIB
+
+
+def test_a_drain_reaches_the_minimum_even_with_blocks_in_use_above_it() -> None:
+    books = Books([GPU], headroom=GIB)
+    a = admit(books, "a", 10)
+    books.want(a, 1, 6 * GIB, 0.0)
+    books.report(a, Report(mapped=4 * GIB, used=4 * GIB, cached=0, reserved=0), 0.0)
+    asked = reclaims(books.set_draining(GPU.uuid, True, 1.0))
+    assert asked[a].limit == GIB
+    # Its blocks are still in use: the drain waits for them instead of settling for less.
+    assert reclaims(books.report(a, Report(4 * GIB, 4 * GIB, 0, 0), 2.0)) == {}
+    ack(books, a, asked[a], 5.0)
+    assert books.pool(a).lease == GIB and books.pool(a).reclaim is None  # type: ignore[union-attr]
+    books.check()
+
+
+def test_memory_in_use_above_a_fair_share_is_reclaimed_down_to_the_share() -> None:
+    books = Books([GPU], headroom=GIB)  # budget 11 GiB
+    a = admit(books, "a", 10, kv_min=0)
+    books.want(a, 1, 11 * GIB, 0.0)
+    books.report(a, Report(mapped=11 * GIB, used=11 * GIB, cached=0, reserved=0), 0.0)
+    b = admit(books, "b", 11, kv_min=0)
+    asked = reclaims(books.want(b, 1, 8 * GIB, 1.0))
+    # Both have a queue, same priority: each gets half, blocks in use or not.
+    assert asked[a].limit == 11 * GIB // 2
+    granted = leases(ack(books, a, asked[a], 4.0))
+    assert granted[b] == 11 * GIB // 2
+    books.check()
+
+
+def test_a_pool_within_its_fair_share_keeps_its_blocks_in_use() -> None:
+    books = Books([GPU], headroom=GIB)  # budget 11 GiB
+    a = admit(books, "a", 10, kv_min=0)
+    books.want(a, 1, 3 * GIB, 0.0)
+    books.report(a, Report(mapped=3 * GIB, used=3 * GIB, cached=0, reserved=0), 0.0)
+    b = admit(books, "b", 11, kv_min=0)
+    books.want(b, 1, 8 * GIB, 1.0)
+    sends = books.want(b, 2, 11 * GIB, 2.0)
+    assert reclaims(sends) == {}  # a's fair share covers what it uses
+    assert books.pool(a).lease == 3 * GIB  # type: ignore[union-attr]
 
 
 def test_an_unknown_pool_re_declaring_memory_gets_only_unleased_memory() -> None:

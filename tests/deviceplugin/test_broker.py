@@ -91,6 +91,43 @@ def test_two_pools_trade_memory_under_a_scripted_load_without_over_committing(
     assert "kvshare_broker_reclaim_seconds_count" in metrics
 
 
+def reclaims_sent(agent: AgentProcess) -> int:
+    """``kvshare_broker_reclaims_total`` of the agent's (only) GPU."""
+    for line in agent.metrics().splitlines():
+        if line.startswith("kvshare_broker_reclaims_total{"):
+            return int(float(line.rsplit(" ", 1)[1]))
+    return 0
+
+
+def test_a_burst_takes_a_quiet_neighbours_idle_lease_in_a_few_rounds(
+    agent_factory: AgentFactory, pool_factory: PoolFactory
+) -> None:
+    """Both pools grow one page (2 MiB) at a time when they grow slowly. The quiet pool's
+    past peak left it a lease it no longer uses; the bursting pool gets that memory in a
+    number of reclaims logarithmic in the amount (its wants double while it keeps running
+    out), not one per page, while the quiet pool keeps its blocks in use."""
+    agent = agent_factory(GPU_SPEC, *HEADROOM)
+    growth = {"chunk": 2 * MIB, "slow_start_window": 30.0}  # 30 s: robust on a loaded host
+    quiet = pool_factory(agent, "quiet", **growth)
+    quiet.demand(1024 * MIB)
+    wait_until(uses(quiet, 1024 * MIB), what="the quiet pool's past peak")
+    quiet.demand(128 * MIB)
+    wait_until(uses(quiet, 128 * MIB), what="the quiet pool to go quiet")
+    lent = quiet.status()["limit"]
+    assert lent >= 1024 * MIB, "the lease stays until someone needs it"
+    before = reclaims_sent(agent)
+    busy = pool_factory(agent, "busy", **growth)
+    with memory_watch([quiet, busy]) as samples:
+        busy.demand(1536 * MIB)
+        wait_until(uses(busy, 1536 * MIB), what="the burst to get the idle lease")
+    rounds = reclaims_sent(agent) - before
+    moved_pages = (1536 * MIB - (BUDGET - lent)) // (2 * MIB)  # from the quiet pool's lease
+    assert 1 <= rounds <= moved_pages.bit_length() + 2, f"{rounds} reclaims for {moved_pages}"
+    status = quiet.status()
+    assert status["used"] == 128 * MIB and status["held"] <= status["limit"]
+    assert max(samples) <= BUDGET
+
+
 def test_a_killed_pool_returns_its_lease_within_a_second(
     agent_factory: AgentFactory, pool_factory: PoolFactory
 ) -> None:

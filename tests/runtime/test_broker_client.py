@@ -123,6 +123,45 @@ def test_a_pool_is_admitted_with_its_minimum_and_grows_in_chunks(
     wait_until(lambda: not broker.view().pools)  # the goodbye returned the lease
 
 
+def grant_steps(lease: BrokerLease, wants: int) -> list[int]:
+    """Ask for one byte more than the lease ``wants`` times; how much each grant added."""
+    steps = []
+    for _ in range(wants):
+        before = lease.limit()
+        lease.want(before + 1)
+        wait_until(lambda: lease.limit() > before)  # noqa: B023 - used before the next turn
+        steps.append(lease.limit() - before)
+    return steps
+
+
+def test_a_pool_that_keeps_running_out_asks_for_geometrically_more(
+    broker: Broker, run_dir: Path
+) -> None:
+    chunk = 16 * 2 * 2**20
+    hungry, calm = (
+        BrokerLease(
+            GPU.uuid,
+            policy=PoolPolicy(),
+            identity=PoolIdentity(namespace="llm", pod=pod),
+            socket_path=str(run_dir / "broker.sock"),
+            slow_start_window_s=window,
+        )
+        for pod, window in (("hungry", 60.0), ("calm", 0.0))
+    )
+    try:
+        for lease in (hungry, calm):
+            holder = Holder()
+            holder.lease = lease
+            lease.attach(holder)
+        # Each want comes right after the last was granted in full: the step doubles.
+        assert grant_steps(hungry, 4) == [chunk, 2 * chunk, 4 * chunk, 8 * chunk]
+        # Wants that come after a quiet spell (any time at all, here) grow by one chunk.
+        assert grant_steps(calm, 3) == [chunk, chunk, chunk]
+    finally:
+        hungry.close()
+        calm.close()
+
+
 def test_refusals_and_a_missing_broker_are_clear_errors(broker: Broker, run_dir: Path) -> None:
     with pytest.raises(AdmissionRefusedError, match=r"fit: static 0 \+ kv min 64.0Gi"):
         lease_for(run_dir, kv_min=64 * GIB).attach(Holder())

@@ -4,12 +4,14 @@ The simulation does what a vLLM-style scheduler does with KV memory, and nothing
 
 - **Admission.** A request that has arrived waits in a FIFO queue until its prompt's KV
   blocks (plus the first output token) can be allocated; the head of the queue blocks the
-  rest, as in vLLM. Its *queueing delay* is the time from arrival to first admission.
-  Admission also pauses while the pool is giving memory back (``admission_open`` says
-  no: its lease was lowered below what it holds). Otherwise new requests would keep
-  filling the free blocks of partly used pages, no page would ever empty, and the
-  reclaim that a neighbour is waiting for would never complete. Running requests still
-  grow (or are preempted), so the pool shrinks as they finish.
+  rest, as in vLLM. Its *queueing delay* is the time from arrival to first admission,
+  which is also when its first token comes (prefill takes one step). The scheduler asks
+  the allocator whenever it has work: while the pool gives memory back after a reclaim,
+  the pool itself serves only from the pages it keeps and says no once they are full.
+- **Patience.** A client whose first token has not come ``patience_s`` after it sent the
+  request gives up: the request leaves the queue and counts as *abandoned* (its queueing
+  delay counts as ``patience_s``). A request that was admitted once has streamed its
+  first token, so its client stays even if it is preempted later.
 - **Decode.** Every step, each running request produces one token; when its tokens cross
   a block boundary it needs one more block.
 - **Preemption.** A running request that cannot grow makes the scheduler preempt the most
@@ -39,7 +41,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -143,10 +145,16 @@ class EngineStats:
 
     arrived: int = 0
     served: int = 0
+    abandoned: int = 0
     preemptions: int = 0
     waits_s: list[float] = field(default_factory=list)
     #: Arrival times matching ``waits_s`` (to plot delay against time).
     wait_arrivals_s: list[float] = field(default_factory=list)
+
+    def record_wait(self, wait_s: float, arrival_s: float) -> None:
+        """One request's queueing delay (admitted or abandoned)."""
+        self.waits_s.append(wait_s)
+        self.wait_arrivals_s.append(arrival_s)
 
 
 class EngineSim:
@@ -160,16 +168,20 @@ class EngineSim:
         block_tokens: int,
         step_s: float,
         max_running: int = 256,
-        admission_open: Callable[[], bool] = lambda: True,
+        patience_s: float | None = None,
     ) -> None:
         if block_tokens < 1 or not step_s > 0 or max_running < 1:
             raise ValueError("need block_tokens >= 1, step_s > 0 and max_running >= 1")
+        if patience_s is not None and not patience_s > 0:
+            raise ValueError(
+                f"patience_s must be > 0 (or None: clients wait forever), not {patience_s}"
+            )
         self._pending = deque(sorted(requests, key=lambda r: r.arrival_s))
         self._allocator = allocator
         self._block_tokens = block_tokens
         self.step_s = step_s
         self._max_running = max_running
-        self._admission_open = admission_open
+        self._patience_s = patience_s
         self.prefix_cache = PrefixCache(allocator)
         self._waiting: deque[Request] = deque()
         self._running: list[_Running] = []
@@ -193,8 +205,8 @@ class EngineSim:
         return taken
 
     def finished(self) -> bool:
-        """Every request of the trace has been served."""
-        return self.stats.served == self.total
+        """Every request of the trace has been served or abandoned."""
+        return self.stats.served + self.stats.abandoned == self.total
 
     # --- one step ----------------------------------------------------------------------
     def step(self) -> EngineSample:
@@ -204,8 +216,9 @@ class EngineSim:
         while self._pending and self._pending[0].arrival_s <= now + 1e-9:
             self._waiting.append(self._pending.popleft())
             self.stats.arrived += 1
+        self._abandon(now)
         preempted = self._decode()
-        if not preempted and self._waiting and self._admission_open():
+        if not preempted and self._waiting:
             self._admit(now)
         self._finish()
         return self.sample()
@@ -275,6 +288,25 @@ class EngineSim:
         if entry.request.prefix_tokens:
             self.prefix_cache.release()
 
+    def _abandon(self, now: float) -> None:
+        """Drop the queued requests whose clients ran out of patience before their first
+        token. Never-admitted requests join the queue's tail in arrival order (preempted ones
+        go to its head), so the oldest of them tells whether any has run out."""
+        if self._patience_s is None:
+            return
+        cutoff = now - self._patience_s
+        oldest = next((r for r in self._waiting if r.rid not in self._admitted), None)
+        if oldest is None or oldest.arrival_s >= cutoff - 1e-9:
+            return
+        kept: deque[Request] = deque()
+        for request in self._waiting:
+            if request.rid in self._admitted or request.arrival_s >= cutoff - 1e-9:
+                kept.append(request)
+            else:
+                self.stats.abandoned += 1
+                self.stats.record_wait(self._patience_s, request.arrival_s)
+        self._waiting = kept
+
     def _admit(self, now: float) -> None:
         """Admit waiting requests in FIFO order while their prompt blocks can be had."""
         while self._waiting and len(self._running) < self._max_running:
@@ -298,8 +330,7 @@ class EngineSim:
             )
             if request.rid not in self._admitted:
                 self._admitted.add(request.rid)
-                self.stats.waits_s.append(max(0.0, now - request.arrival_s))
-                self.stats.wait_arrivals_s.append(request.arrival_s)
+                self.stats.record_wait(max(0.0, now - request.arrival_s), request.arrival_s)
 
     def _finish(self) -> None:
         still = []
@@ -314,7 +345,8 @@ class EngineSim:
     def waits(self) -> tuple[list[float], list[float]]:
         """Queueing delay and arrival time of every arrived request.
 
-        Requests never admitted so far count with the time they have waited until now.
+        Abandoned requests count with their patience; requests never admitted so far count
+        with the time they have waited until now.
         """
         waits = list(self.stats.waits_s)
         arrivals = list(self.stats.wait_arrivals_s)

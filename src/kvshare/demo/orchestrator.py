@@ -637,7 +637,7 @@ def _write_results(outcome: DemoOutcome, path: Path) -> None:
 def summary_table(comparison: Comparison) -> list[str]:
     """The end-of-run table, per model and in total, both modes."""
     header = (
-        f"{'run':<8} {'model':<8} {'served':>7} {'offered':>7} {'p50 wait':>9} "
+        f"{'run':<8} {'model':<8} {'served':>7} {'gave up':>7} {'offered':>7} {'p50 wait':>9} "
         f"{'p95 wait':>9} {'peak KV':>9} {'mean KV':>9} {'mean used':>9} {'preempt':>7} "
         f"{'reclaims':>8}"
     )
@@ -651,7 +651,7 @@ def summary_table(comparison: Comparison) -> list[str]:
     for row in rows:
         model = "total" if row.model is None else f"model-{row.model}"
         lines.append(
-            f"{row.mode:<8} {model:<8} {row.served:>7} {row.offered:>7} "
+            f"{row.mode:<8} {model:<8} {row.served:>7} {row.abandoned:>7} {row.offered:>7} "
             f"{row.p50_wait_s:>8.2f}s {row.p95_wait_s:>8.2f}s "
             f"{row.peak_kv / GIB:>5.2f} GiB {row.mean_kv / GIB:>5.2f} GiB "
             f"{row.mean_used / GIB:>5.2f} GiB "
@@ -674,8 +674,10 @@ def report_lines(outcome: DemoOutcome, options: DemoOptions) -> list[str]:
         "",
         *summary_table(comparison),
         f"Elastic served {comparison.elastic.served} requests, static {comparison.static.served}"
-        f": x{comparison.ratio:.2f}. p95 queueing delay {comparison.static.p95_wait_s:.2f} s "
-        f"-> {comparison.elastic.p95_wait_s:.2f} s.",
+        f": x{comparison.ratio:.2f}. Clients that gave up after {config.patience_s:g} s "
+        f"without a first token: {comparison.static.abandoned} -> "
+        f"{comparison.elastic.abandoned}. p95 queueing delay "
+        f"{comparison.static.p95_wait_s:.2f} s -> {comparison.elastic.p95_wait_s:.2f} s.",
         f"Memory books: {outcome.broker_checks} snapshots of the broker's books and every "
         f"pool sample checked: {len(violations)} over-commitments.",
     ]

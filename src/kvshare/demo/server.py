@@ -183,12 +183,6 @@ class StampedBlocks:
         self._pool.free(blocks)
 
 
-def _within_lease(pool: KVPool) -> bool:
-    """Whether the pool holds no more than its lease (it is not giving memory back)."""
-    snap = pool.snapshot()
-    return snap.held <= snap.limit
-
-
 def _int64() -> Any:
     import torch
 
@@ -267,7 +261,7 @@ def serve(args: argparse.Namespace, channel: _Channel) -> None:
             StampedBlocks(pool),
             block_tokens=config.block_tokens,
             step_s=config.step_s,
-            admission_open=lambda: _within_lease(pool),
+            patience_s=config.patience_s,
         )
         pool.set_evictor(engine.prefix_cache)
         channel.send(json.dumps({"kind": "ready", "model": args.model, "mode": args.mode}))
@@ -281,6 +275,7 @@ def serve(args: argparse.Namespace, channel: _Channel) -> None:
             offered=len(requests),
             arrived=engine.stats.arrived,
             served=engine.stats.served,
+            abandoned=engine.stats.abandoned,
             preemptions=engine.stats.preemptions,
             reclaims=lease.reclaims,
             reclaimed_bytes=lease.reclaimed_bytes,
@@ -312,6 +307,7 @@ class _Clock:
         return Sample(
             t=round(state.t, 4),
             served=state.served,
+            abandoned=self.engine.stats.abandoned,
             arrived=self.engine.stats.arrived,
             waiting=state.waiting,
             running=state.running,

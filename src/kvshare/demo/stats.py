@@ -9,9 +9,11 @@ A model's *KV memory* is its lease: the memory it may map and no other model may
 What its pool has actually mapped is ``held`` (never grown above the lease) and the part
 of that holding blocks is ``used``.
 
-Queueing delay is the time from a request's arrival to its first admission. Requests
-still queued when the run ends count with the time they have waited so far (a lower
-bound), so a long queue cannot hide from the percentiles.
+Queueing delay is the time from a request's arrival to its first admission (its first
+token). A request whose client gave up first (see the trace's ``patience_s``) is
+*abandoned*: it counts with its patience as its delay and is not served. Requests still
+queued when the run ends count with the time they have waited so far (a lower bound), so
+a long queue cannot hide from the percentiles.
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ class Sample:
     t: float
     """Seconds since the common start (the engine's logical clock)."""
     served: int
+    abandoned: int
+    """Requests whose clients gave up before their first token, so far."""
     arrived: int
     waiting: int
     running: int
@@ -76,6 +80,8 @@ class ServerResult:
     """Requests of this model in the trace."""
     arrived: int
     served: int
+    abandoned: int
+    """Requests whose clients gave up before their first token."""
     preemptions: int
     reclaims: int
     reclaimed_bytes: int
@@ -119,6 +125,7 @@ class ModelSummary:
     offered: int
     arrived: int
     served: int
+    abandoned: int
     p50_wait_s: float
     p95_wait_s: float
     peak_kv: int
@@ -143,6 +150,7 @@ def summarize(result: ServerResult) -> ModelSummary:
         offered=result.offered,
         arrived=result.arrived,
         served=result.served,
+        abandoned=result.abandoned,
         p50_wait_s=percentile(result.waits_s, 50),
         p95_wait_s=percentile(result.waits_s, 95),
         peak_kv=max(leases, default=0),
@@ -194,6 +202,7 @@ def summarize_all(
         offered=sum(r.offered for r in mine),
         arrived=sum(r.arrived for r in mine),
         served=sum(r.served for r in mine),
+        abandoned=sum(r.abandoned for r in mine),
         p50_wait_s=percentile(waits, 50),
         p95_wait_s=percentile(waits, 95),
         peak_kv=max(totals, default=0),
@@ -264,10 +273,11 @@ def check_pool_books(results: Sequence[ServerResult]) -> list[BookViolation]:
 def check_consistency(result: ServerResult) -> list[str]:
     """Ways the server's counts disagree with the trace (empty when they agree)."""
     problems = []
-    if not result.served <= result.arrived <= result.offered:
+    if not result.served + result.abandoned <= result.arrived <= result.offered:
         problems.append(
-            f"{result.mode} model {result.model}: served {result.served} <= arrived "
-            f"{result.arrived} <= offered {result.offered} does not hold"
+            f"{result.mode} model {result.model}: served {result.served} + abandoned "
+            f"{result.abandoned} <= arrived {result.arrived} <= offered {result.offered} "
+            "does not hold"
         )
     if len(result.waits_s) != result.arrived:
         problems.append(

@@ -77,7 +77,7 @@ __all__ = [
 GIB = 2**30
 #: File format marker and version of a saved trace.
 FORMAT = "kvshare-demo-trace"
-VERSION = 1
+VERSION = 2
 #: Draws used to estimate the mean KV cost of one request (fixed: see the module doc).
 _CAPACITY_DRAWS = 20_000
 _CAPACITY_SEED = 20_240_601
@@ -131,6 +131,9 @@ class TraceConfig:
     quiet_load: float = 0.1
     #: How many times each model's busy window comes round within the duration.
     cycles: int = 1
+    #: Seconds a client waits for its first token before it gives up (the request is
+    #: abandoned and not served).
+    patience_s: float = 10.0
     prompt: LengthMix = field(default_factory=lambda: LengthMix(512, 1.0, 16, 4096))
     output: LengthMix = field(default_factory=lambda: LengthMix(128, 0.9, 8, 1024))
     #: Fraction of requests that start with their model's system prompt.
@@ -149,6 +152,8 @@ class TraceConfig:
             raise TraceError(f"step_s must be > 0, got {self.step_s}")
         if self.cycles < 1:
             raise TraceError(f"cycles must be >= 1, got {self.cycles}")
+        if not self.patience_s > 0:
+            raise TraceError(f"patience_s must be > 0, got {self.patience_s}")
         if self.block_tokens < 1 or self.kv_bytes_per_token < 1:
             raise TraceError("block_tokens and kv_bytes_per_token must be >= 1")
         if self.busy_load < 0 or self.quiet_load < 0:

@@ -25,11 +25,21 @@ Policy
   refused with the numbers.
 - Growth is granted on demand from unleased memory, page-aligned, up to ``kv_max``.
 - Fair shares are a weighted max-min split of the budget (weight ``priority + 1``, each
-  pool between its ``kv_min`` and its demand). A pool below its fair share that cannot
-  grow makes the broker reclaim from pools above theirs: lowest priority first, idle
-  lease first, each down to no less than its fair share, with a deadline. A pool that
-  misses the deadline is reported (event and log) and skipped for further reclaims; its
-  memory stays charged to it until it does release.
+  pool between its ``kv_min`` and its demand: what it uses, or what it asks for while it
+  waits). A pool below its fair share that cannot grow makes the broker reclaim, in one
+  round, everything it and the other waiters are short of:
+
+  1. *idle lease* first: lease above what a pool that is not waiting holds or uses. The
+     pool gives it back at once (it only lowers its limit and drops ready pages), so the
+     waiter gets it within a round trip;
+  2. then memory held above a fair share, lowest priority first, each pool down to no
+     less than its fair share and its minimum. Blocks in use count: the pool stops
+     placing new blocks in the pages it gives up and releases them as their requests
+     finish (the runtime's pool does), so a pool with a backlog cannot keep more than its
+     share.
+
+  Each reclaim has a deadline. A pool that misses it is reported (event and log) and
+  skipped for further reclaims; its memory stays charged to it until it does release.
 - Start-up turns: one engine per GPU at a time; the turn reserves the engine's static
   footprint and ``kv_min`` (reclaiming if needed) before it is granted, and the pool the
   engine then creates takes over that reservation.
@@ -704,18 +714,8 @@ class Books:
         self._recharge(gpu, pool)
         if acknowledged:
             return self._serve(gpu, now)
-        pending = pool.reclaim
-        if pending is not None and report.used > pending.target:
-            # Blocks went into use before the pool learnt of the reclaim: a pool never
-            # frees those, so ask for what it can give (same deadline) instead of letting
-            # it miss the deadline.
-            target = min(_align_up(report.used, pool.page), pending.from_bytes)
-            if target > pending.target:
-                return [
-                    self._reclaim(
-                        gpu, pool, target, now, "blocks in use", deadline=pending.deadline
-                    )
-                ]
+        # A pending reclaim stands even when blocks are in use above its target: the pool
+        # releases them as their requests finish (see the module doc).
         if not self.recovering and self._waiting(gpu):
             # Usage moved: what other pools may be asked to give back moved with it.
             return self._rebalance(gpu, now)
@@ -811,12 +811,14 @@ class Books:
 
     def _rebalance(self, gpu: _Gpu, now: float) -> list[Send]:
         """Issue the reclaims needed for waiters below their fair share, a waiting
-        start-up turn, or an over-committed GPU."""
+        start-up turn, or an over-committed GPU: all of it in one round, idle lease first
+        (see the module doc)."""
         if self.recovering:
             return []
         fair = self._fair(gpu)
+        waiters = self._waiting(gpu)
         shortfall = gpu.turn_need()
-        for pool in self._waiting(gpu):
+        for pool in waiters:
             entitled = min(self._cap(gpu, pool), max(fair[pool.id], pool.kv_min))
             shortfall += max(0, entitled - pool.lease)
         incoming = 0
@@ -827,25 +829,41 @@ class Books:
         need = shortfall - gpu.unleased - incoming
         if need <= 0:
             return []
-        # Never below a pool's fair share, its minimum, or its blocks in use (a pool never
-        # frees those; asking would only make it miss the deadline).
-        floors = {
-            p.id: _align_up(max(fair[p.id], p.kv_min, p.usage.used), p.page)
-            for p in gpu.pools.values()
-        }
+        # Never below a pool's fair share or its minimum.
+        floors = {p.id: _align_up(max(fair[p.id], p.kv_min), p.page) for p in gpu.pools.values()}
         victims = sorted(
             (p for p in gpu.pools.values() if p.reclaim is None and p.lease > floors[p.id]),
-            key=lambda p: (p.priority, -(p.lease - p.held), -(p.lease - floors[p.id]), p.id),
+            key=lambda p: (p.priority, -(p.held - p.usage.used), -(p.lease - floors[p.id]), p.id),
         )
-        sends: list[Send] = []
+        waiting = {p.id for p in waiters}
+        targets = {p.id: p.lease for p in victims}
+        # Pass 1, idle lease: what pools that are not waiting neither hold nor use.
         for victim in victims:
             if need <= 0:
                 break
-            take = min(victim.lease - floors[victim.id], _align_up(need, victim.page))
-            reason = "draining" if gpu.draining else "contention"
-            sends.append(self._reclaim(gpu, victim, victim.lease - take, now, reason))
-            need -= take
-        return sends
+            if victim.id in waiting:
+                continue
+            keep = max(
+                floors[victim.id], _align_up(max(victim.held, victim.usage.used), victim.page)
+            )
+            take = min(targets[victim.id] - keep, _align_up(need, victim.page))
+            if take > 0:
+                targets[victim.id] -= take
+                need -= take
+        # Pass 2, memory held above a fair share (blocks in use included).
+        for victim in victims:
+            if need <= 0:
+                break
+            take = min(targets[victim.id] - floors[victim.id], _align_up(need, victim.page))
+            if take > 0:
+                targets[victim.id] -= take
+                need -= take
+        reason = "draining" if gpu.draining else "contention"
+        return [
+            self._reclaim(gpu, victim, targets[victim.id], now, reason)
+            for victim in victims
+            if targets[victim.id] < victim.lease
+        ]
 
     def _reclaim(
         self,

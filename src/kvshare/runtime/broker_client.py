@@ -8,6 +8,13 @@ thread (``kvshare-lease``) talks to the broker:
 
 - growth is asked in chunks (``chunk_bytes``, a multiple of the page size), so the
   allocation path rarely waits for a round trip;
+- a pool that keeps running out asks for geometrically more (slow start): when it wants
+  more again within ``slow_start_window_s`` of being granted all it asked for, the step
+  above its lease doubles (one chunk, two, four, ...), so a burst takes a few round trips
+  instead of one per chunk. The step starts again at one chunk after a quiet spell or a
+  reclaim. What it asks is capped at its ``kv_max``; the broker grants at most what is
+  free plus its fair share, and lease it then leaves unused is *idle*, which the broker
+  takes back at once when another pool waits;
 - grants and reclaims arrive as :meth:`LeaseHolder.lease_changed` calls on that thread;
 - a reclaim is acknowledged by the first :meth:`~BrokerLease.report` made once the lower
   limit is in force whose held bytes fit it (never by an older report: the pool may have
@@ -56,6 +63,7 @@ from kvshare.api.wire import (
 from kvshare.runtime.lease import LeaseHolder, LeaseSource, PoolUsage
 
 __all__ = [
+    "DEFAULT_SLOW_START_WINDOW_S",
     "AdmissionRefusedError",
     "BrokerError",
     "BrokerLease",
@@ -71,6 +79,8 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 DEFAULT_CHUNK_PAGES = 16
+#: A pool that wants more this soon after being granted all it asked for is still growing.
+DEFAULT_SLOW_START_WINDOW_S = 1.0
 
 
 class BrokerError(RuntimeError):
@@ -216,6 +226,7 @@ class BrokerLease(LeaseSource):
         reconnect_initial_s: float = 0.05,
         reconnect_max_s: float = 2.0,
         report_interval_s: float = 0.05,
+        slow_start_window_s: float = DEFAULT_SLOW_START_WINDOW_S,
     ) -> None:
         if policy.page_size <= 0:
             raise ValueError(f"page size must be > 0, not {policy.page_size}")
@@ -228,12 +239,16 @@ class BrokerLease(LeaseSource):
         self._connect_timeout = connect_timeout_s
         self._reconnect = (reconnect_initial_s, reconnect_max_s)
         self._report_interval = report_interval_s
+        self._slow_start_window = slow_start_window_s
 
         # _lock guards the state the pool's threads and the lease thread share: the
-        # limit's updates, the wish (_asked), the latest usage, the pending reclaim ack.
+        # limit's updates, the wish (_asked) and its growth step, the latest usage, the
+        # pending reclaim ack.
         self._lock = threading.Lock()
         self._limit = 0
         self._asked = 0
+        self._step = self._chunk
+        self._satisfied_at: float | None = None  # when the lease last reached _asked
         self._usage: PoolUsage | None = None
         self._reports = 0
         self._pending: _PendingAck | None = None
@@ -288,17 +303,35 @@ class BrokerLease(LeaseSource):
         return self._limit
 
     def want(self, total_bytes: int) -> None:
-        """Ask for the lease to reach ``total_bytes`` (rounded up to whole chunks, capped
-        at ``kv_max``). Never blocks on I/O: the grant arrives via ``lease_changed``."""
-        target = -(-max(total_bytes, 0) // self._chunk) * self._chunk
-        if self.policy.kv_max is not None:
-            target = min(target, self.policy.kv_max)
+        """Ask for the lease to reach ``total_bytes``, rounded up to whole chunks and to at
+        least the lease plus the growth step (see the module docstring), capped at
+        ``kv_max``. Never blocks on I/O: the grant arrives via ``lease_changed``."""
+        chunk = self._chunk
         with self._lock:
-            if target <= max(self._limit, self._asked) or self._closed:
+            if total_bytes <= max(self._limit, self._asked) or self._closed:
+                return
+            self._grow_step(time.monotonic())
+            target = max(total_bytes, self._limit + self._step)
+            target = -(-target // chunk) * chunk
+            if self.policy.kv_max is not None:
+                target = min(target, self.policy.kv_max)
+            if target <= max(self._limit, self._asked):
                 return
             self._asked = target
         # The round trip starts here, not after a hop to the lease thread.
         self._send_want()
+
+    def _grow_step(self, now: float) -> None:
+        """Double the growth step when the pool wants more soon after it got all it asked
+        for; start again at one chunk after a quiet spell. ``_lock`` held."""
+        satisfied = self._satisfied_at
+        if satisfied is None:
+            return  # still waiting for the last wish (or never asked): keep the step
+        if now - satisfied <= self._slow_start_window:
+            self._step *= 2
+        else:
+            self._step = self._chunk
+        self._satisfied_at = None
 
     def report(self, usage: PoolUsage) -> None:
         """Record what the pool holds; the lease thread sends it (coalesced)."""
@@ -608,6 +641,8 @@ class BrokerLease(LeaseSource):
         with self._lock:
             changed = limit != self._limit
             self._limit = limit
+            if changed and 0 < self._asked <= limit:
+                self._satisfied_at = time.monotonic()
         if changed and self._holder is not None:
             self._holder.lease_changed(limit)
 
@@ -618,6 +653,8 @@ class BrokerLease(LeaseSource):
             # shrinks and reports inside lease_changed acknowledges at once).
             self._limit = reclaim.limit
             self._asked = min(self._asked, reclaim.limit)
+            # Contention: growth starts again at one chunk.
+            self._step, self._satisfied_at = self._chunk, None
             pending.reports_at_change = self._reports
             self._pending = pending
         with self._send_lock:
