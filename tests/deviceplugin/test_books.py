@@ -296,6 +296,7 @@ operation = st.one_of(
     _want,
     st.tuples(st.just("use"), st.integers(0, 7), st.floats(0, 1)),
     st.tuples(st.just("release"), st.integers(0, 7)),
+    st.tuples(st.just("release-part"), st.integers(0, 7), st.floats(0, 1)),
     st.tuples(st.just("leave"), st.integers(0, 7)),
     st.tuples(st.just("tick"), st.floats(0, 20)),
     st.tuples(st.just("drain"), st.booleans()),
@@ -346,7 +347,7 @@ def test_compliant_pools_never_hold_more_than_the_budget(ops: list[tuple[object,
         kind = op[0]
         if kind == "start":
             node.start(int(op[1]), int(op[2]), int(op[3]))  # type: ignore[call-overload]
-        elif pools and kind in ("want", "use", "release", "leave"):
+        elif pools and kind in ("want", "use", "release", "release-part", "leave"):
             pool = list(pools.values())[int(op[1]) % len(pools)]  # type: ignore[call-overload]
             if kind == "want":
                 node.deliver(books.want(pool.id, 1, int(op[2]) * 2**20, node.now))  # type: ignore[call-overload]
@@ -357,6 +358,13 @@ def test_compliant_pools_never_hold_more_than_the_budget(ops: list[tuple[object,
                 reclaim = pool.pending.pop()
                 pool.pending.clear()
                 pool.held = min(pool.held, reclaim.limit)
+                report = Report(pool.held, pool.held, 0, 0, ack=reclaim.seq)
+                node.deliver(books.report(pool.id, report, node.now))
+            elif kind == "release-part" and pool.pending and pool.held > pool.lease:
+                # Part of the way down, with the latest reclaim in force.
+                reclaim = pool.pending[-1]
+                step = int((pool.held - pool.lease) * float(op[2])) // PAGE * PAGE  # type: ignore[arg-type]
+                pool.held -= step
                 report = Report(pool.held, pool.held, 0, 0, ack=reclaim.seq)
                 node.deliver(books.report(pool.id, report, node.now))
             elif kind == "leave":
@@ -412,6 +420,29 @@ def test_a_reclaim_into_blocks_in_use_stands_until_the_pool_has_released_them() 
     granted = leases(ack(books, a, asked, 3.0))
     assert granted[b] > before
     assert events.overdue == []
+    books.check()
+
+
+def test_what_a_reclaimed_pool_already_released_goes_on_before_the_rest() -> None:
+    books = Books([GPU], headroom=GIB)  # budget 11 GiB
+    a = admit(books, "a", 10, kv_min=0)
+    books.want(a, 1, 11 * GIB, 0.0)
+    books.report(a, Report(mapped=11 * GIB, used=11 * GIB, cached=0, reserved=0), 0.0)
+    b = admit(books, "b", 11, kv_min=0)
+    asked = reclaims(books.want(b, 1, 11 * GIB, 1.0))[a]
+    assert asked.limit == 11 * GIB // 2
+    # A report from before the reclaim took effect proves nothing: the pool may have grown.
+    assert leases(books.report(a, Report(8 * GIB, 8 * GIB, 0, 0), 1.5)) == {}
+    # Made with the reclaim in force: what it shows given back is free at once.
+    assert leases(books.report(a, Report(8 * GIB, 8 * GIB, 0, 0, ack=asked.seq), 2.0)) == {
+        b: 3 * GIB
+    }
+    assert books.pool(a).charge == 8 * GIB  # type: ignore[union-attr]
+    books.check()
+    half = 11 * GIB // 2
+    granted = leases(books.report(a, Report(half, half, 0, 0, ack=asked.seq), 3.0))
+    assert granted == {b: half}
+    assert books.pool(a).reclaim is None  # type: ignore[union-attr]
     books.check()
 
 

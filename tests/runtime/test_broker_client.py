@@ -162,6 +162,55 @@ def test_a_pool_that_keeps_running_out_asks_for_geometrically_more(
         calm.close()
 
 
+class ShrinkingPool:
+    """A pool that, told its lease was lowered, reports what it still holds: first a usage
+    taken before the lower limit was in force, then one taken after it."""
+
+    def __init__(self, lease: BrokerLease, stale: PoolUsage, fresh: PoolUsage) -> None:
+        self.lease = lease
+        self.reports = [stale, fresh]
+        self.limits: list[int] = []
+
+    def lease_changed(self, limit: int) -> None:
+        self.limits.append(limit)
+        if len(self.limits) == 2 and self.reports:  # the reclaim (after the first grant)
+            self.lease.report(self.reports.pop(0))
+
+    def report_next(self) -> None:
+        self.lease.report(self.reports.pop(0))
+
+
+def test_a_reclaimed_pool_hands_on_what_it_released_before_it_is_done(
+    broker: Broker, run_dir: Path
+) -> None:
+    big, waiter = lease_for(run_dir, kv_min=0), lease_for(run_dir, kv_min=0)
+    budget = 7 * GIB  # 8 GiB fake GPU, 1 GiB headroom
+    half = budget // 2
+    old_limit = PoolUsage(mapped=6 * GIB, used=6 * GIB, cached=0, reserved=0, limit=budget)
+    new_limit = PoolUsage(mapped=5 * GIB, used=5 * GIB, cached=0, reserved=0, limit=half)
+    pool = ShrinkingPool(big, stale=old_limit, fresh=new_limit)
+    big.attach(pool)
+    waiter_holder = Holder()
+    waiter.attach(waiter_holder)
+    try:
+        big.want(budget)
+        wait_until(lambda: big.limit() == budget)
+        big.report(PoolUsage(mapped=budget, used=budget, cached=0, reserved=0, limit=budget))
+        wait_until(lambda: broker.view().pools[0].used == budget)
+        waiter.want(budget)  # same priority: half each, the big pool's blocks in use or not
+        wait_until(lambda: big.limit() == half)
+        # The numbers taken under the old limit moved nothing (the pool may have grown).
+        wait_until(lambda: broker.view().pools[0].mapped == 6 * GIB)
+        assert waiter.limit() == 0
+        pool.report_next()  # taken under the lowered limit: 2 GiB are free already
+        wait_until(lambda: waiter.limit() == 2 * GIB)
+        big.report(PoolUsage(mapped=half, used=half, cached=0, reserved=0, limit=half))
+        wait_until(lambda: waiter.limit() == half)
+    finally:
+        big.close()
+        waiter.close()
+
+
 def test_refusals_and_a_missing_broker_are_clear_errors(broker: Broker, run_dir: Path) -> None:
     with pytest.raises(AdmissionRefusedError, match=r"fit: static 0 \+ kv min 64.0Gi"):
         lease_for(run_dir, kv_min=64 * GIB).attach(Holder())

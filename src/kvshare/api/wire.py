@@ -136,7 +136,13 @@ class Want(Message):
 
 @dataclass(frozen=True, slots=True)
 class Report(Message):
-    """What the pool holds now; ``ack`` > 0 acknowledges the reclaim with that ``seq``."""
+    """What the pool holds now.
+
+    ``ack`` > 0 says the numbers were taken with the reclaim ``seq`` in force (its lower
+    limit already applied, so the pool no longer grows beyond what it reports): the
+    broker completes that reclaim once ``held`` fits its limit, and before that may hand
+    on what the pool already gave back.
+    """
 
     TYPE: ClassVar[str] = "report"
     mapped: int

@@ -8,10 +8,12 @@ Accounting, per GPU
 -------------------
 - ``budget = total - headroom - static`` where ``static`` sums the static footprints of
   the pools on the GPU and of the engine holding the start-up turn.
-- Each pool is *charged* ``max(kv_min, lease, lease before an unacknowledged reclaim)``:
+- Each pool is *charged* ``max(kv_min, lease, what it may still hold of a reclaim)``:
   its minimum is always set aside, and memory being reclaimed stays charged to it until
-  it reports that it released it. (Holding more than the lease is over-use, caught by
-  the audit against the device, not something a report can claim.)
+  it reports, with the reclaim in force, that it released it (all at once or page by
+  page: what such a report shows given back is free at once). (Holding more than the
+  lease is over-use, caught by the audit against the device, not something a report can
+  claim.)
 - ``unleased = budget - sum(charged) - kv_min reserved by the start-up turn``.
 
 Invariant: a grant never makes ``unleased`` negative, so the GPU is never physically
@@ -153,7 +155,8 @@ class PendingReclaim:
     seq: int
     target: int
     from_bytes: int
-    """What the pool was charged when the reclaim began; stays charged until the ack."""
+    """What the pool may still hold: its charge when the reclaim began, lowered by each
+    report made with the reclaim in force, until one completes it."""
     issued_at: float
     deadline: float
     overdue: bool = False
@@ -697,9 +700,17 @@ class Books:
         gpu = self._gpus[pool.gpu]
         pool.usage = report
         pending = pool.reclaim
-        acknowledged = (
-            pending is not None and report.ack == pending.seq and report.held <= pending.target
+        in_force = pending is not None and report.ack == pending.seq
+        acknowledged = in_force and pending is not None and report.held <= pending.target
+        released = (
+            in_force
+            and pending is not None
+            and not acknowledged
+            and _align_up(report.held, pool.page) < pending.from_bytes
         )
+        if released and pending is not None:
+            # The pool no longer grows beyond what it reports: the rest is free already.
+            pending.from_bytes = _align_up(report.held, pool.page)
         if acknowledged and pending is not None:
             pool.reclaim = None
             seconds = now - pending.issued_at
@@ -712,7 +723,7 @@ class Books:
                     self._reclaim_deadline_s,
                 )
         self._recharge(gpu, pool)
-        if acknowledged:
+        if acknowledged or released:
             return self._serve(gpu, now)
         # A pending reclaim stands even when blocks are in use above its target: the pool
         # releases them as their requests finish (see the module doc).

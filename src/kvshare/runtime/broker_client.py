@@ -16,10 +16,13 @@ thread (``kvshare-lease``) talks to the broker:
   free plus its fair share, and lease it then leaves unused is *idle*, which the broker
   takes back at once when another pool waits;
 - grants and reclaims arrive as :meth:`LeaseHolder.lease_changed` calls on that thread;
-- a reclaim is acknowledged by the first :meth:`~BrokerLease.report` made once the lower
-  limit is in force whose held bytes fit it (never by an older report: the pool may have
-  grown since), so a pool must report after ``lease_changed`` even when it had nothing
-  to release (the runtime's pool does, and reports on a timer too);
+- reports made once a reclaim's lower limit is in force carry its ``seq`` (never older
+  ones: the pool may have grown since): the broker hands on what such a report shows
+  released, and completes the reclaim with the first whose held bytes fit the limit.
+  A pool must therefore report after ``lease_changed`` even when it had nothing to
+  release (the runtime's pool does, and reports on a timer too). A usage that states the
+  limit it was taken under (:attr:`PoolUsage.limit`) counts only if that limit is the
+  lowered one;
 - when the connection drops (a broker restart), the pool keeps its memory and lease, and
   the thread reconnects with exponential backoff and re-declares what it holds.
 
@@ -578,13 +581,17 @@ class BrokerLease(LeaseSource):
             usage, reports, pending = self._usage, self._reports, self._pending
         if usage is None or self._sock is None:
             return 0.5
-        fresh = pending is not None and reports > pending.reports_at_change
-        ack = pending.seq if pending is not None and fresh and usage.held <= pending.limit else 0
-        if not ack and reports == self._sent_reports:
+        in_force = (
+            pending is not None
+            and reports > pending.reports_at_change
+            and (usage.limit is None or usage.limit <= pending.limit)
+        )
+        ack = pending.seq if pending is not None and in_force else 0
+        if reports == self._sent_reports:
             return 0.5
         wait = self._last_report_at + self._report_interval - now
         if not ack and wait > 0:
-            return wait
+            return wait  # reports under a reclaim go at once: they hand memory on
         report = Report(
             mapped=usage.mapped,
             used=usage.used,
@@ -596,10 +603,10 @@ class BrokerLease(LeaseSource):
             self._queue(BROKER_CODEC.encode(report))
         self._sent_reports = reports
         self._last_report_at = now
-        if ack:
+        if ack and pending is not None and usage.held <= pending.limit:
             with self._lock:
                 if self._pending is pending:
-                    self._pending = None
+                    self._pending = None  # this report completes the reclaim
         return 0.5
 
     def _receive(self) -> bool:

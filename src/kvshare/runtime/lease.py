@@ -47,6 +47,10 @@ class PoolUsage:
     """Bytes of blocks the engine keeps only as prefix cache (evictable on reclaim)."""
     reserved: int
     """Bytes of physical pages created ahead of demand but not mapped."""
+    limit: int | None = None
+    """The lease the pool honoured when it took these numbers (``None``: not known). A
+    source learns from it that a lowered lease was in force, so the pool held no more
+    than it reports from then on."""
 
     @property
     def held(self) -> int:

@@ -165,7 +165,11 @@ class PoolSnapshot:
     def usage(self) -> PoolUsage:
         """The part of the snapshot a lease source is told about."""
         return PoolUsage(
-            mapped=self.mapped, used=self.used, cached=self.cached, reserved=self.reserved
+            mapped=self.mapped,
+            used=self.used,
+            cached=self.cached,
+            reserved=self.reserved,
+            limit=self.limit,
         )
 
 
