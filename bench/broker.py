@@ -225,14 +225,23 @@ def measure_floor(requests: int) -> list[float]:
 
 
 def holder_main(socket_path: str, gpu: str, nbytes: int) -> None:
-    """A pool that takes ``nbytes`` (or waits for them) and prints each lease it gets."""
+    """A pool that takes ``nbytes`` (or waits for them) and prints each lease it gets.
+
+    Everything it is granted stays in use, as in a pool whose requests are all running: a
+    reclaim (the broker asks for the waiting pool's fair share) is taken in, reported, and
+    not met, so the only way the waiting pool gets memory is this process's exit.
+    """
     from kvshare.runtime.broker_client import BrokerLease, PoolPolicy
     from kvshare.runtime.lease import PoolUsage
 
+    held = 0
+
     class Holder:
         def lease_changed(self, limit: int) -> None:
+            nonlocal held
             print(limit, flush=True)
-            lease.report(PoolUsage(mapped=0, used=0, cached=0, reserved=0))
+            held = max(held, limit)
+            lease.report(PoolUsage(mapped=held, used=held, cached=0, reserved=0, limit=limit))
 
     lease = BrokerLease(gpu, policy=PoolPolicy(page_size=PAGE), socket_path=socket_path)
     lease.attach(Holder())
@@ -246,14 +255,19 @@ def measure_exit_release(trials: int) -> list[float]:
     agent = Agent("1x4Gi")
     budget = 3 * 2**30
     results = []
+    children: list[subprocess.Popen[str]] = []
     try:
         for _ in range(trials):
             victim = _spawn(["--hold", str(agent.socket), agent.gpu, str(budget)])
+            children.append(victim)
             assert victim.stdout is not None
             while int(victim.stdout.readline()) < budget:
                 pass
             waiter = _spawn(["--hold", str(agent.socket), agent.gpu, str(PAGE)])
-            assert waiter.stdout is not None and int(waiter.stdout.readline()) == 0
+            children.append(waiter)
+            assert waiter.stdout is not None
+            first = int(waiter.stdout.readline())
+            assert first == 0, f"the waiting pool got {first} bytes before the kill"
             start = time.perf_counter()
             os.kill(victim.pid, signal.SIGKILL)
             victim.wait(30)
@@ -264,6 +278,10 @@ def measure_exit_release(trials: int) -> list[float]:
             waiter.wait(30)
             time.sleep(0.2)
     finally:
+        for child in children:
+            if child.poll() is None:
+                child.kill()
+                child.wait(30)
         agent.stop()
     return results
 

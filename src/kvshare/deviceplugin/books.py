@@ -837,8 +837,12 @@ class Books:
             pending = pool.reclaim
             if pending is not None and not pending.overdue:
                 incoming += max(0, pool.charge - max(pool.kv_min, pending.target))
-        need = shortfall - gpu.unleased - incoming
-        if need <= 0:
+        # Idle lease is taken for everything the waiters are short of, even what pending
+        # reclaims will bring: it costs its holder nothing and comes back at once, while
+        # memory in use comes back only as its requests finish.
+        idle_need = shortfall - gpu.unleased
+        need = idle_need - incoming
+        if idle_need <= 0:
             return []
         # Never below a pool's fair share or its minimum.
         floors = {p.id: _align_up(max(fair[p.id], p.kv_min), p.page) for p in gpu.pools.values()}
@@ -850,16 +854,17 @@ class Books:
         targets = {p.id: p.lease for p in victims}
         # Pass 1, idle lease: what pools that are not waiting neither hold nor use.
         for victim in victims:
-            if need <= 0:
+            if idle_need <= 0:
                 break
             if victim.id in waiting:
                 continue
             keep = max(
                 floors[victim.id], _align_up(max(victim.held, victim.usage.used), victim.page)
             )
-            take = min(targets[victim.id] - keep, _align_up(need, victim.page))
+            take = min(targets[victim.id] - keep, _align_up(idle_need, victim.page))
             if take > 0:
                 targets[victim.id] -= take
+                idle_need -= take
                 need -= take
         # Pass 2, memory held above a fair share (blocks in use included).
         for victim in victims:

@@ -9,12 +9,13 @@ thread (``kvshare-lease``) talks to the broker:
 - growth is asked in chunks (``chunk_bytes``, a multiple of the page size), so the
   allocation path rarely waits for a round trip;
 - a pool that keeps running out asks for geometrically more (slow start): when it wants
-  more again within ``slow_start_window_s`` of being granted all it asked for, the step
-  above its lease doubles (one chunk, two, four, ...), so a burst takes a few round trips
-  instead of one per chunk. The step starts again at one chunk after a quiet spell or a
-  reclaim. What it asks is capped at its ``kv_max``; the broker grants at most what is
-  free plus its fair share, and lease it then leaves unused is *idle*, which the broker
-  takes back at once when another pool waits;
+  more than it asked for while still waiting for that, or within ``slow_start_window_s``
+  of being granted all of it, the step above its lease doubles (one chunk, two, four,
+  ...), so a burst takes a few round trips instead of one per chunk. The step starts
+  again at one chunk after a quiet spell or a reclaim. What it asks is capped at its
+  ``kv_max``; the broker grants at most what is free plus its fair share, and lease it
+  then leaves unused is *idle*, which the broker takes back at once when another pool
+  waits;
 - grants and reclaims arrive as :meth:`LeaseHolder.lease_changed` calls on that thread;
 - reports made once a reclaim's lower limit is in force carry its ``seq`` (never older
   ones: the pool may have grown since): the broker hands on what such a report shows
@@ -325,14 +326,14 @@ class BrokerLease(LeaseSource):
         self._send_want()
 
     def _grow_step(self, now: float) -> None:
-        """Double the growth step when the pool wants more soon after it got all it asked
-        for; start again at one chunk after a quiet spell. ``_lock`` held."""
+        """The pool wants more than it asked for so far: double the growth step if it is
+        still waiting for that or got it within the slow-start window; start again at one
+        chunk after a quiet spell. ``_lock`` held."""
         satisfied = self._satisfied_at
-        if satisfied is None:
-            return  # still waiting for the last wish (or never asked): keep the step
-        if now - satisfied <= self._slow_start_window:
+        waiting = self._asked > self._limit
+        if waiting or (satisfied is not None and now - satisfied <= self._slow_start_window):
             self._step *= 2
-        else:
+        elif satisfied is not None:
             self._step = self._chunk
         self._satisfied_at = None
 
