@@ -32,6 +32,8 @@ def run(quick: bool) -> Result:
         outcome = run_demo(options, sys.stderr)
     config = outcome.trace.config
     comparison = outcome.comparison
+    bound = outcome.bound
+    assert bound is not None, "run_demo always simulates what the trace allows"
     return Result(
         name="elastic",
         fields={
@@ -42,8 +44,10 @@ def run(quick: bool) -> Result:
             "elastic_p95_wait_s": round(comparison.elastic.p95_wait_s, 3),
             "static_abandoned": comparison.static.abandoned,
             "elastic_abandoned": comparison.elastic.abandoned,
+            "ideal_ratio": round(bound.ratio, 3),
             "offered": len(outcome.trace.requests),
             "over_commitments": len(outcome.pool_violations) + len(outcome.broker_violations),
+            "overdue_reclaims": outcome.overdue_reclaims,
             "inconsistencies": len(outcome.problems),
         },
         targets=[

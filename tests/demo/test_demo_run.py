@@ -41,6 +41,8 @@ def short_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
         "2Gi",
         "--seed",
         "3",
+        "--patience",
+        "1",
         "--metrics-port",
         "0",
         "--output",
@@ -75,11 +77,23 @@ def test_served_counts_agree_with_the_trace_that_ran(short_run: tuple[Path, str]
     for summary in per_model:
         offered = len(ran.for_model(summary["model"]))
         assert summary["offered"] == offered
-        assert 0 <= summary["served"] <= summary["arrived"] <= offered
+        assert 0 <= summary["served"] + summary["abandoned"] <= summary["arrived"] <= offered
     for mode in ("static", "elastic"):
         mine = [s for s in per_model if s["mode"] == mode]
         assert results[mode]["served"] == sum(s["served"] for s in mine) > 0
+        assert results[mode]["abandoned"] == sum(s["abandoned"] for s in mine)
         assert results[mode]["offered"] == len(ran.requests)
+    # Every client that gave up waited exactly its patience, which the trace file carries.
+    assert ran.config.patience_s == 1.0
+    for server in results["servers"]:
+        gave_up = sum(1 for wait in server["waits_s"] if wait == ran.config.patience_s)
+        assert gave_up >= server["abandoned"]
+        assert all(wait <= ran.config.patience_s for wait in server["waits_s"])
+    assert results["static"]["abandoned"] > 0, "a 1 s patience loses part of a burst"
+    # What the trace allows, simulated from the same trace file, is in the results.
+    bound = results["bound"]
+    assert len(bound["partitioned"]) == len(bound["shared"]) == ran.config.models
+    assert sum(bound["shared"]) >= sum(bound["partitioned"])
 
 
 def test_no_memory_is_over_committed_at_any_sample(short_run: tuple[Path, str]) -> None:
@@ -126,6 +140,8 @@ def test_trace_fixes_the_size_of_the_run(tmp_path: Path) -> None:
     ("args", "message"),
     [
         (["--models", "2"], "--models must be at least 3"),
+        (["--patience", "0"], "--patience must be > 0"),
+        (["--cycles", "0"], "--cycles must be at least 1"),
         (["--gpu-memory", "lots"], "--gpu-memory"),
         (["--trace", "/nonexistent/trace.json"], "cannot read trace"),
     ],

@@ -132,3 +132,14 @@ def test_a_missing_trace_file_is_a_trace_error(tmp_path: Path) -> None:
 def test_a_gpu_too_small_for_the_largest_request_is_refused() -> None:
     with pytest.raises(TraceError, match="give the GPU more memory"):
         trace.generate(TraceConfig(gpu_memory_bytes=256 * 2**20))
+
+
+def test_a_patience_that_is_not_positive_is_refused() -> None:
+    with pytest.raises(TraceError, match="patience_s must be > 0"):
+        trace.generate(TraceConfig(duration_s=5, patience_s=0))
+
+
+def test_the_patience_travels_with_the_trace(tmp_path: Path) -> None:
+    path = tmp_path / "trace.json"
+    trace.save(trace.generate(TraceConfig(duration_s=5, patience_s=4.5)), path)
+    assert trace.load(path).config.patience_s == 4.5

@@ -24,6 +24,8 @@ _DEFAULTS = {
     "duration": TraceConfig.duration_s,
     "models": TraceConfig.models,
     "gpu_memory": TraceConfig.gpu_memory_bytes,
+    "patience": TraceConfig.patience_s,
+    "cycles": TraceConfig.cycles,
 }
 
 
@@ -51,6 +53,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="QUANTITY",
         help="KV memory of the fake GPU, e.g. 8Gi "
         f"(default {format_bytes(int(_DEFAULTS['gpu_memory']))})",
+    )
+    parser.add_argument(
+        "--patience",
+        type=float,
+        metavar="SECONDS",
+        help="how long a client waits for its first token before it gives up "
+        f"(default {_DEFAULTS['patience']:g})",
+    )
+    parser.add_argument(
+        "--cycles",
+        type=int,
+        help="how many times each model's busy window comes round "
+        f"(default {_DEFAULTS['cycles']})",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the generated trace")
     parser.add_argument(
@@ -91,10 +106,16 @@ def _options(args: argparse.Namespace) -> DemoOptions:
         raise ValueError(f"--models must be at least 3, got {values['models']}")
     if not float(values["duration"]) > 0:
         raise ValueError(f"--duration must be > 0, got {values['duration']}")
+    if not float(values["patience"]) > 0:
+        raise ValueError(f"--patience must be > 0, got {values['patience']}")
+    if int(values["cycles"]) < 1:
+        raise ValueError(f"--cycles must be at least 1, got {values['cycles']}")
     return DemoOptions(
         duration_s=float(values["duration"]),
         models=int(values["models"]),
         gpu_memory_bytes=int(values["gpu_memory"]),
+        patience_s=float(values["patience"]),
+        cycles=int(values["cycles"]),
         seed=args.seed,
         trace_file=args.trace,
         output=args.output,

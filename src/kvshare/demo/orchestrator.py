@@ -47,6 +47,7 @@ from typing import IO, Any, TextIO
 from kvshare.api import names
 from kvshare.api.quantity import format_bytes
 from kvshare.demo import trace as trace_mod
+from kvshare.demo.bound import Bound, sharing_bound
 from kvshare.demo.stats import (
     MODES,
     BookViolation,
@@ -84,6 +85,8 @@ class DemoOptions:
     duration_s: float = trace_mod.TraceConfig.duration_s
     models: int = trace_mod.TraceConfig.models
     gpu_memory_bytes: int = trace_mod.TraceConfig.gpu_memory_bytes
+    patience_s: float = trace_mod.TraceConfig.patience_s
+    cycles: int = trace_mod.TraceConfig.cycles
     seed: int = 0
     trace_file: Path | None = None
     output: Path = Path("out/demo")
@@ -101,6 +104,8 @@ class DemoOptions:
             duration_s=self.duration_s,
             models=self.models,
             gpu_memory_bytes=self.gpu_memory_bytes,
+            patience_s=self.patience_s,
+            cycles=self.cycles,
         )
         return trace_mod.generate(config)
 
@@ -117,6 +122,10 @@ class DemoOutcome:
     problems: list[str]
     metrics_url: str
     broker_checks: int
+    overdue_reclaims: int = 0
+    """Reclaims that missed the broker's deadline (read from its metrics)."""
+    bound: Bound | None = None
+    """What the trace allows: served from partitions and from instant sharing, simulated."""
     plot: Path | None = None
     summary: Path | None = None
     wall_s: float = 0.0
@@ -329,6 +338,8 @@ class GpuBooks:
     lease, and the old lease until a reclaim is acknowledged)."""
     budget: int
     """What the broker may lend: total - headroom - static footprints."""
+    overdue: int = 0
+    """Reclaims on the GPU so far that missed the broker's deadline."""
 
 
 def broker_books(text: str) -> list[GpuBooks]:
@@ -336,6 +347,7 @@ def broker_books(text: str) -> list[GpuBooks]:
     from prometheus_client.parser import text_string_to_metric_families
 
     charged: dict[str, float] = {}
+    overdue: dict[str, float] = {}
     gpu_values: dict[str, dict[str, float]] = {}
     wanted = {
         "kvshare_gpu_memory_total_bytes": "total",
@@ -347,6 +359,8 @@ def broker_books(text: str) -> list[GpuBooks]:
             gpu = sample.labels.get("gpu", "")
             if sample.name == "kvshare_pool_kv_charged_bytes":
                 charged[gpu] = charged.get(gpu, 0.0) + sample.value
+            elif sample.name == "kvshare_broker_reclaim_deadline_missed_total":
+                overdue[gpu] = overdue.get(gpu, 0.0) + sample.value
             elif sample.name in wanted:
                 gpu_values.setdefault(gpu, {})[wanted[sample.name]] = sample.value
     return [
@@ -354,6 +368,7 @@ def broker_books(text: str) -> list[GpuBooks]:
             gpu,
             int(charged.get(gpu, 0)),
             int(v.get("total", 0) - v.get("headroom", 0) - v.get("static", 0)),
+            int(overdue.get(gpu, 0)),
         )
         for gpu, v in gpu_values.items()
     ]
@@ -436,6 +451,7 @@ def run_demo(options: DemoOptions, stream: TextIO = sys.stdout) -> DemoOutcome:
         stream.write(f"All pools up after {time.monotonic() - began:.1f} s; running.\n")
         run.collect(run.start())
         outcome = run.outcome()
+        outcome.bound = sharing_bound(trace)
         outcome.summary = options.output / "results.json"
         if options.plot:
             outcome.plot = _plot(outcome, options.output / "kvshare-demo.png")
@@ -511,6 +527,7 @@ class _Run:
     broker_violations: list[BookViolation] = field(default_factory=list)
     elastic_kv_series: list[tuple[float, int]] = field(default_factory=list)
     checks: int = 0
+    overdue_reclaims: int = 0
 
     def fail(self, key: tuple[Mode, int], why: str) -> DemoError:
         child = self.servers[key]
@@ -552,6 +569,7 @@ class _Run:
         t = round(time.monotonic() - start, 3)
         for books in broker_books(text):
             self.elastic_kv_series.append((t, books.charged))
+            self.overdue_reclaims = max(self.overdue_reclaims, books.overdue)
             if books.charged > books.budget:
                 self.broker_violations.append(
                     BookViolation(
@@ -612,6 +630,7 @@ class _Run:
             problems=[p for r in ordered for p in check_consistency(r)],
             metrics_url=self.node.metrics_url,
             broker_checks=self.checks,
+            overdue_reclaims=self.overdue_reclaims,
             elastic_kv_series=self.elastic_kv_series,
         )
 
@@ -626,6 +645,8 @@ def _write_results(outcome: DemoOutcome, path: Path) -> None:
         "pool_violations": [asdict(v) for v in outcome.pool_violations],
         "broker_violations": [asdict(v) for v in outcome.broker_violations],
         "broker_checks": outcome.broker_checks,
+        "overdue_reclaims": outcome.overdue_reclaims,
+        "bound": asdict(outcome.bound) if outcome.bound is not None else None,
         "problems": outcome.problems,
         "wall_s": outcome.wall_s,
         "elastic_kv_series": outcome.elastic_kv_series,
@@ -662,6 +683,17 @@ def summary_table(comparison: Comparison) -> list[str]:
     return lines
 
 
+def _bound_lines(outcome: DemoOutcome) -> list[str]:
+    bound = outcome.bound
+    if bound is None:
+        return []
+    return [
+        f"What this trace allows (the same schedulers simulated without memory): "
+        f"{sum(bound.partitioned)} served from partitions, {sum(bound.shared)} if every "
+        f"freed block went to any model at once: x{bound.ratio:.2f}.",
+    ]
+
+
 def report_lines(outcome: DemoOutcome, options: DemoOptions) -> list[str]:
     """What the demo prints at the end: the table, the verdict, the checks, the files."""
     config = outcome.trace.config
@@ -678,8 +710,10 @@ def report_lines(outcome: DemoOutcome, options: DemoOptions) -> list[str]:
         f"without a first token: {comparison.static.abandoned} -> "
         f"{comparison.elastic.abandoned}. p95 queueing delay "
         f"{comparison.static.p95_wait_s:.2f} s -> {comparison.elastic.p95_wait_s:.2f} s.",
+        *_bound_lines(outcome),
         f"Memory books: {outcome.broker_checks} snapshots of the broker's books and every "
-        f"pool sample checked: {len(violations)} over-commitments.",
+        f"pool sample checked: {len(violations)} over-commitments. Reclaims past the "
+        f"broker's deadline: {outcome.overdue_reclaims}.",
     ]
     if outcome.plot is not None:
         lines.append(f"Plot:    {outcome.plot}")
