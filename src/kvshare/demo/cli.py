@@ -64,8 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--cycles",
         type=int,
-        help="how many times each model's busy window comes round "
-        f"(default {_DEFAULTS['cycles']})",
+        help=f"how many times each model's busy window comes round (default {_DEFAULTS['cycles']})",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the generated trace")
     parser.add_argument(
