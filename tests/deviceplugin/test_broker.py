@@ -134,9 +134,12 @@ def test_a_killed_pool_returns_its_lease_within_a_second(
     agent = agent_factory(GPU_SPEC, *HEADROOM)
     victim = pool_factory(agent, "victim")
     waiter = pool_factory(agent, "waiter", kv_min=16 * MIB)
-    victim.demand(BUDGET)
-    wait_until(lambda: victim.status()["limit"] == BUDGET - 16 * MIB, what="the victim's lease")
-    waiter.demand(512 * MIB)  # nothing unleased: it waits
+    # The victim fills every page the GPU has left (page 0 holds its null block): a
+    # reclaim can only wait for its blocks.
+    whole = BUDGET - 16 * MIB - 2 * MIB
+    victim.demand(whole)
+    wait_until(uses(victim, whole), what="the victim to use its whole lease")
+    waiter.demand(512 * MIB)  # nothing unleased, nothing idle: it waits
     assert waiter.status()["limit"] == 16 * MIB
     victim.kill()
     killed_at = time.monotonic()
