@@ -146,6 +146,9 @@ def client_main(socket_path: str, gpu: str, requests: int, seed: int) -> None:
         identity=PoolIdentity(namespace="bench", pod=f"pool-{seed}"),
         socket_path=socket_path,
         chunk_bytes=PAGE,
+        # One page per request, as before slow start: this measures round trips, and its
+        # wants come every ~10 ms whatever the pool uses (a real pool's do not).
+        slow_start_window_s=0.0,
     )
     lease.attach(Holder())
     rng = random.Random(seed)

@@ -153,8 +153,10 @@ def test_a_pool_that_keeps_running_out_asks_for_geometrically_more(
             holder = Holder()
             holder.lease = lease
             lease.attach(holder)
-        # Each want comes right after the last was granted in full: the step doubles.
-        assert grant_steps(hungry, 4) == [chunk, 2 * chunk, 4 * chunk, 8 * chunk]
+        # Each want comes right after the last was granted in full: the step doubles, as
+        # far as the lease itself (so the lease at most doubles per round trip).
+        assert grant_steps(hungry, 5) == [chunk, chunk, 2 * chunk, 4 * chunk, 8 * chunk]
+        assert hungry.limit() == 16 * chunk
         # Wants that come after a quiet spell (any time at all, here) grow by one chunk.
         assert grant_steps(calm, 3) == [chunk, chunk, chunk]
     finally:

@@ -240,6 +240,47 @@ def test_a_lowered_lease_is_reached_under_a_backlog_that_takes_every_free_block(
     assert lease.reports[-1].held <= 4 * PAGE_BYTES
 
 
+class GatedHostBackend(HostBackend):
+    """Host memory whose page creation waits at a gate the test opens (so a test can catch
+    the reserve thread in the middle of creating pages)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.entered = threading.Event()
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def create(self, size: int) -> int:
+        self.entered.set()
+        self.gate.wait(30)
+        return super().create(size)
+
+
+def test_pages_the_reserve_is_creating_serve_an_allocation_instead_of_a_refusal() -> None:
+    backend = GatedHostBackend()
+    lease = StaticLease(3 * PAGE_BYTES)
+    pool = KVPool(GEOMETRY, backend, lease, reserve_pages=2, background=False)
+    try:
+        backend.gate.clear()
+        backend.entered.clear()
+        reserve = threading.Thread(target=pool.maintain)  # refills the reserve: 2 pages
+        reserve.start()
+        assert backend.entered.wait(30)
+        result: list[object] = []
+        # Page 0's 15 blocks and 20 more: the two pages on their way are the only room left.
+        engine = threading.Thread(target=lambda: result.append(pool.alloc(15 + 20)))
+        engine.start()
+        wait_until(lambda: pool.snapshot().allocations == 1)  # it asked, the pages are not there
+        backend.gate.set()
+        engine.join(30)
+        reserve.join(30)
+        ids = result[0]
+        assert isinstance(ids, list) and len(ids) == 35, ids
+        assert pool.snapshot().held == 3 * PAGE_BYTES
+    finally:
+        pool.close()
+
+
 def test_alloc_never_maps_beyond_the_lease(make_pool: PoolFactory) -> None:
     lease = MovableLease(6 * PAGE_BYTES)
     pool = make_pool(GEOMETRY, lease=lease, reserve_pages=3)

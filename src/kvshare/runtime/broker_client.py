@@ -11,7 +11,8 @@ thread (``kvshare-lease``) talks to the broker:
 - a pool that keeps running out asks for geometrically more (slow start): when it wants
   more than it asked for while still waiting for that, or within ``slow_start_window_s``
   of being granted all of it, the step above its lease doubles (one chunk, two, four,
-  ...), so a burst takes a few round trips instead of one per chunk. The step starts
+  ..., never more than the lease itself, so the lease at most doubles per round trip),
+  and a burst takes a few round trips instead of one per chunk. The step starts
   again at one chunk after a quiet spell or a reclaim. What it asks is capped at its
   ``kv_max``; the broker grants at most what is free plus its fair share, and lease it
   then leaves unused is *idle*, which the broker takes back at once when another pool
@@ -332,7 +333,8 @@ class BrokerLease(LeaseSource):
         satisfied = self._satisfied_at
         waiting = self._asked > self._limit
         if waiting or (satisfied is not None and now - satisfied <= self._slow_start_window):
-            self._step *= 2
+            # At most doubling the lease per round: the step never outgrows it.
+            self._step = min(self._step * 2, max(self._chunk, self._limit))
         elif satisfied is not None:
             self._step = self._chunk
         self._satisfied_at = None
