@@ -37,10 +37,10 @@ Threads and locks
 - ``_lock`` guards every piece of block and page bookkeeping. It is held only while
   bookkeeping, never across a backend call, a peer message, a lease call or an evictor
   call, so ``alloc``/``free`` never wait on the device, the network or the engine while
-  holding it. ``_grown`` (a condition on ``_lock``) is notified when pages being created
-  are published: ``alloc``'s slow path waits on it when the only room left is pages
-  another thread (the reserve thread, say) is creating, as it would wait for creating
-  them itself, rather than answer "no space" for memory that is a moment away.
+  holding it. ``_settled`` (a condition on ``_lock``) is notified when pages in flight
+  settle: ``alloc``'s slow path waits on it when the only room left is pages another
+  thread (the reserve thread, say) is creating or unmapping, as it would wait for
+  creating them itself, rather than answer "no space" for memory a moment away.
 - ``_maintain_lock`` serialises maintenance passes (the background thread and explicit
   :meth:`KVPool.maintain` calls). Order: ``_maintain_lock`` before ``_lock``.
 - The background thread ("kvshare-pool-reserve") keeps ``reserve_pages`` ready pages
@@ -93,7 +93,7 @@ _FREE, _ALLOCATED, _NEVER = 0, 1, 2  # block states (_NEVER: null block or strad
 
 DEFAULT_RESERVE_PAGES = 4
 _ALLOC_ROUNDS = 4  # of the slow path, when other threads take the pages it waited for
-_GROWING_WAIT_S = 1.0  # longest wait for pages being created before trying again
+_IN_FLIGHT_WAIT_S = 1.0  # longest wait for pages in flight before trying again
 DEFAULT_LEASE_CHUNK_BYTES = 256 * 2**20
 _WANT_RETRY_S = 1.0
 _SHRINK_POLL_S = 0.5
@@ -257,8 +257,9 @@ class KVPool:
     def _init_state(self) -> None:
         """Bookkeeping (guarded by ``_lock``), lease state and thread control."""
         self._lock = threading.Lock()
-        # Notified (with _lock held) when pages being created are published or given up.
-        self._grown = threading.Condition(self._lock)
+        # Notified (with _lock held) when pages in flight (being created, or unmapped and
+        # released) settle: published, given up, or back among the unmapped ones.
+        self._settled = threading.Condition(self._lock)
         self._maintain_lock = threading.Lock()
         self._bstate = bytearray(self.geometry.num_blocks)
         self._mark_straddling_blocks()
@@ -536,10 +537,11 @@ class KVPool:
                 if n <= free:
                     return self._take(n)
                 pages, refusal = self._pick_pages_for(n - free, over)
-                if not pages and not over and self._growing:
-                    # Pages within the lease are being created (for the reserve or another
-                    # allocation): as good as ready, so wait for them rather than say no.
-                    self._grown.wait(_GROWING_WAIT_S)
+                if not pages and not over and (self._growing or self._dropping):
+                    # Pages in flight within the lease (being created for the reserve or
+                    # another allocation, or unmapped to trim the reserve, giving room
+                    # back) are a moment away: wait for them rather than say no.
+                    self._settled.wait(_IN_FLIGHT_WAIT_S)
                     continue
                 if pages:
                     self._waits += 1
@@ -620,14 +622,14 @@ class KVPool:
             with self._lock:
                 self._growing -= len(pages)
                 self._return_unmapped(pages)
-                self._grown.notify_all()
+                self._settled.notify_all()
             raise
         with self._lock:
             self._growing -= len(pages)
             self._mapped_pages += len(pages)
             for page in pages:
                 self._publish(page)
-            self._grown.notify_all()
+            self._settled.notify_all()
 
     def _publish(self, page: int) -> None:
         """A freshly mapped page joins the pool. ``_lock`` held."""
@@ -659,6 +661,7 @@ class KVPool:
         with self._lock:
             self._dropping -= len(pages)
             self._return_unmapped(pages)
+            self._settled.notify_all()
 
     def _return_unmapped(self, pages: list[int]) -> None:
         """Busy ``pages`` hold no memory any more. ``_lock`` held."""
