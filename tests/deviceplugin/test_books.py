@@ -423,11 +423,17 @@ def test_a_reclaim_into_blocks_in_use_stands_until_the_pool_has_released_them() 
     books.check()
 
 
+def in_use(books: Books, pod: str, pid: int, nbytes: int, **overrides: object) -> int:
+    """Admit a pool without a minimum that leases ``nbytes`` and has blocks in all of it."""
+    pool = admit(books, pod, pid, **{"kv_min": 0, **overrides})
+    books.want(pool, 1, nbytes, 0.0)
+    books.report(pool, Report(mapped=nbytes, used=nbytes, cached=0, reserved=0), 0.0)
+    return pool
+
+
 def test_what_a_reclaimed_pool_already_released_goes_on_before_the_rest() -> None:
     books = Books([GPU], headroom=GIB)  # budget 11 GiB
-    a = admit(books, "a", 10, kv_min=0)
-    books.want(a, 1, 11 * GIB, 0.0)
-    books.report(a, Report(mapped=11 * GIB, used=11 * GIB, cached=0, reserved=0), 0.0)
+    a = in_use(books, "a", 10, 11 * GIB)
     b = admit(books, "b", 11, kv_min=0)
     asked = reclaims(books.want(b, 1, 11 * GIB, 1.0))[a]
     assert asked.limit == 11 * GIB // 2
@@ -492,9 +498,7 @@ def test_a_drain_reaches_the_minimum_even_with_blocks_in_use_above_it() -> None:
 
 def test_memory_in_use_above_a_fair_share_is_reclaimed_down_to_the_share() -> None:
     books = Books([GPU], headroom=GIB)  # budget 11 GiB
-    a = admit(books, "a", 10, kv_min=0)
-    books.want(a, 1, 11 * GIB, 0.0)
-    books.report(a, Report(mapped=11 * GIB, used=11 * GIB, cached=0, reserved=0), 0.0)
+    a = in_use(books, "a", 10, 11 * GIB)
     b = admit(books, "b", 11, kv_min=0)
     asked = reclaims(books.want(b, 1, 8 * GIB, 1.0))
     # Both have a queue, same priority: each gets half, blocks in use or not.
