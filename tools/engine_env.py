@@ -54,7 +54,9 @@ class Layer:
 
     def stamp(self) -> str:
         """What the folder must hold: the Python version and the requirement lines."""
-        text = "\n".join((sys.version.split()[0], str(self.strip_shared_objects), *self.requirements))
+        text = "\n".join(
+            (sys.version.split()[0], str(self.strip_shared_objects), *self.requirements)
+        )
         return hashlib.sha256(text.encode()).hexdigest()
 
     def is_current(self) -> bool:
@@ -63,7 +65,9 @@ class Layer:
 
 
 def _requirement_lines(path: Path) -> tuple[str, ...]:
-    lines = (line.split("#", 1)[0].strip() for line in path.read_text(encoding="utf-8").splitlines())
+    lines = (
+        line.split("#", 1)[0].strip() for line in path.read_text(encoding="utf-8").splitlines()
+    )
     return tuple(line for line in lines if line)
 
 
@@ -73,7 +77,9 @@ def layers(line: SupportedLine) -> list[Layer]:
     overlay = REQUIREMENTS_DIR / f"{line.environment}.txt"
     if overlay.exists():
         found.append(Layer(f"deps-{line.environment}", _requirement_lines(overlay)))
-    found.append(Layer(f"deps-{line.engine}", _requirement_lines(REQUIREMENTS_DIR / f"{line.engine}.txt")))
+    found.append(
+        Layer(f"deps-{line.engine}", _requirement_lines(REQUIREMENTS_DIR / f"{line.engine}.txt"))
+    )
     return found
 
 

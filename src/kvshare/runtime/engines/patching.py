@@ -84,7 +84,7 @@ def _resolve(target: Target) -> tuple[object, str, AnyCallable]:
         owner = getattr(owner, part)
     value = inspect.getattr_static(owner, name, None)
     if value is None:
-        raise LookupError(f"{target} does not exist")
+        raise LookupError("does not exist")
     if isinstance(value, staticmethod | classmethod):
         raise LookupError(f"{target} is a {type(value).__name__}, expected a function")
     if not callable(value):
@@ -92,42 +92,58 @@ def _resolve(target: Target) -> tuple[object, str, AnyCallable]:
     return owner, name, value
 
 
+def _check(target: Target) -> tuple[object, str, AnyCallable]:
+    """Resolve ``target`` and compare its parameters with the expected ones."""
+    owner, name, original = _resolve(target)
+    current = inspect.unwrap(original) if is_patched(original) else original
+    try:
+        found = tuple(inspect.signature(current).parameters)
+    except (TypeError, ValueError) as exc:
+        raise LookupError(f"signature unreadable ({exc})") from exc
+    if found != target.parameters:
+        raise LookupError(
+            f"expected parameters ({', '.join(target.parameters)}), found ({', '.join(found)})"
+        )
+    return owner, name, original
+
+
 class PatchSet:
     """The patches of one engine line. :meth:`apply` is idempotent and all-or-nothing."""
 
-    def __init__(self, engine: str, line: str, patches: Sequence[Patch]) -> None:
+    def __init__(
+        self,
+        engine: str,
+        line: str,
+        patches: Sequence[Patch],
+        requires: Sequence[Target] = (),
+    ) -> None:
         self.engine = engine
         self.line = line
         self.patches = tuple(patches)
+        self.requires = tuple(requires)
+        """Engine functions the patches call or rely on without replacing them."""
         self._lock = threading.Lock()  # guards _applied: imports may race across threads
         self._applied: list[_Resolved] = []
 
     @property
     def targets(self) -> tuple[Target, ...]:
-        """Every target, in application order."""
+        """Every replaced target, in application order."""
         return tuple(patch.target for patch in self.patches)
 
     def check(self, version: str) -> list[_Resolved]:
-        """Import and check every target; raise one error listing every mismatch."""
+        """Import and check every target and requirement; one error lists every mismatch."""
         resolved: list[_Resolved] = []
         problems: list[str] = []
+        for target in self.requires:
+            try:
+                _check(target)
+            except LookupError as exc:
+                problems.append(f"{target}: {exc}")
         for patch in self.patches:
             try:
-                owner, name, original = _resolve(patch.target)
+                owner, name, original = _check(patch.target)
             except LookupError as exc:
                 problems.append(f"{patch.target}: {exc}")
-                continue
-            current = inspect.unwrap(original) if is_patched(original) else original
-            try:
-                found = tuple(inspect.signature(current).parameters)
-            except (TypeError, ValueError) as exc:
-                problems.append(f"{patch.target}: signature unreadable ({exc})")
-                continue
-            if found != patch.target.parameters:
-                problems.append(
-                    f"{patch.target}: expected parameters ({', '.join(patch.target.parameters)})"
-                    f", found ({', '.join(found)})"
-                )
                 continue
             resolved.append(_Resolved(patch, owner, name, original))
         if problems:

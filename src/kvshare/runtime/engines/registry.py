@@ -109,8 +109,7 @@ def find_line(engine: str, version: str) -> SupportedLine:
     """
     if engine not in ENGINES:
         raise UnsupportedEngineVersionError(
-            f"kvshare has no hooks for the engine {engine!r}; it supports "
-            f"{', '.join(ENGINES)}"
+            f"kvshare has no hooks for the engine {engine!r}; it supports {', '.join(ENGINES)}"
         )
     try:
         release = parse_release(version)

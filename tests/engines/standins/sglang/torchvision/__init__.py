@@ -27,7 +27,9 @@ class _Unavailable:
         return _Unavailable(f"{self._name}.{attribute}")
 
     def __call__(self, *args, **kwargs):
-        raise RuntimeError(f"{self._name}: torchvision is a stand-in in the engine test environment")
+        raise RuntimeError(
+            f"{self._name}: torchvision is a stand-in in the engine test environment"
+        )
 
     def __mro_entries__(self, bases):
         return (object,)
