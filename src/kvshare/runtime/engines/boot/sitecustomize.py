@@ -19,9 +19,13 @@ import sys
 
 
 def _install_kvshare() -> None:
-    from kvshare.runtime.engines.activation import install_from_env
+    from kvshare.api import env
 
-    install_from_env()
+    if not env.ENABLE.read():
+        return  # kvshare stays out of the process: nothing else is imported
+    from kvshare.runtime.engines.activation import install
+
+    install()
 
 
 def _chain_next_sitecustomize() -> None:
