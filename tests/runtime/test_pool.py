@@ -1,0 +1,225 @@
+"""The KV pool on real host virtual memory: block ids for the engine, pages that follow use,
+and a lease it never grows beyond."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvshare.runtime.backends.host import HostBackend
+from kvshare.runtime.errors import InvalidBlockError, PoolClosedError, PoolError
+from kvshare.runtime.geometry import KVGeometry
+from kvshare.runtime.lease import StaticLease
+from kvshare.runtime.pool import NULL_BLOCK, Exhausted, KVPool
+
+from .conftest import PoolFactory
+from .support import MovableLease, PrefixCache, wait_until
+
+PAGE = 64 * 1024
+# 2 layers x K/V, 16 blocks of 4 KiB per 64 KiB page, 256 blocks = 16 pages.
+GEOMETRY = KVGeometry(num_buffers=4, block_bytes=4096, num_blocks=256, page_size=PAGE)
+PAGE_BYTES = GEOMETRY.page_bytes
+
+
+def host(pool: KVPool) -> HostBackend:
+    assert isinstance(pool.backend, HostBackend)
+    return pool.backend
+
+
+def test_the_null_block_is_reserved_at_start_and_never_handed_out(make_pool: PoolFactory) -> None:
+    pool = make_pool(GEOMETRY, reserve_pages=0)
+    assert pool.mapped_pages() == {0}
+    handed_out: list[int] = []
+    while ids := pool.alloc(7):
+        handed_out += ids
+    assert NULL_BLOCK not in handed_out
+    assert sorted(handed_out) == list(range(1, len(handed_out) + 1))
+    with pytest.raises(InvalidBlockError, match="null block"):
+        pool.free([NULL_BLOCK])
+
+
+def test_bad_frees_are_refused_and_free_nothing(make_pool: PoolFactory) -> None:
+    pool = make_pool(GEOMETRY)
+    ids = pool.alloc(4)
+    assert ids
+    before = pool.snapshot()
+    for bad, fragment in [
+        ([ids[0], ids[0]], "not allocated"),
+        ([ids[1], 10_000], "outside the pool's 256 blocks"),
+        ([ids[2], -3], "null block|outside"),
+        ([ids[3], "7"], "not an integer"),
+    ]:
+        with pytest.raises(InvalidBlockError, match=fragment):
+            pool.free(bad)  # type: ignore[arg-type]
+        assert pool.snapshot() == before
+    pool.free(ids)
+    with pytest.raises(InvalidBlockError, match="freed twice"):
+        pool.free(ids[:1])
+
+
+def test_exhausted_is_falsy_allocates_nothing_and_says_why(make_pool: PoolFactory) -> None:
+    pool = make_pool(GEOMETRY, lease=StaticLease(3 * PAGE_BYTES), reserve_pages=0)
+    first = pool.alloc(pool.available())
+    assert first and len(first) == 3 * 16 - 1
+    result = pool.alloc(1)
+    assert isinstance(result, Exhausted) and not result
+    assert result.reason.startswith("lease:") and result.requested == 1
+    assert result.available == 0
+    assert pool.snapshot().used_blocks == len(first)
+
+
+def test_available_is_exactly_what_alloc_can_hand_out(make_pool: PoolFactory) -> None:
+    pool = make_pool(GEOMETRY, lease=StaticLease(5 * PAGE_BYTES), reserve_pages=1)
+    pool.maintain()
+    held = pool.alloc(20)
+    assert held
+    can = pool.available()
+    assert can == 5 * 16 - 1 - 20
+    assert not pool.alloc(can + 1)
+    assert len(pool.alloc(can) or []) == can
+
+
+def test_best_fit_fills_the_fullest_page_and_freed_pages_go_back_whole(
+    make_pool: PoolFactory,
+) -> None:
+    pool = make_pool(GEOMETRY, reserve_pages=0)
+    a = pool.alloc(15)  # page 0 full (with the null block)
+    b = pool.alloc(16)  # page 1 full
+    c = pool.alloc(16)  # page 2 full
+    assert a and b and c
+    pool.free(b[:10])  # page 1: 10 free
+    pool.free(c[:3])  # page 2: 3 free
+    small = pool.alloc(2)  # best fit: page 2 (3 free), not page 1
+    assert small and {GEOMETRY.page_of(x) for x in small} == {2}
+    pool.free(b[10:])  # page 1 is empty now
+    pool.maintain()  # no reserve: the empty page is unmapped at once
+    assert pool.mapped_pages() == {0, 2}
+
+
+def test_two_views_of_the_same_buffer_see_the_same_bytes(make_pool: PoolFactory) -> None:
+    pool = make_pool(GEOMETRY)
+    ids = pool.alloc(20)
+    assert ids
+    kv = pool.tensor(2, 2).view(torch.float16).reshape(2, 256, 16, 128)  # layer 1: K and V
+    kv[0, ids[17]] = 1.5
+    kv[1, ids[17]] = -2.0
+    v_alone = pool.tensor(3).view(torch.float16).reshape(256, 16, 128)
+    assert torch.all(v_alone[ids[17]] == -2.0)
+    k_alone = pool.tensor(2).view(torch.float16).reshape(256, 16, 128)
+    assert torch.all(k_alone[ids[17]] == 1.5)
+    assert torch.all(pool.tensor(0)[0, ids[17]] == 0)  # layer 0 untouched
+
+
+def test_contiguous_layout_views_share_the_compound_pages(make_pool: PoolFactory) -> None:
+    geometry = KVGeometry(
+        num_buffers=4, block_bytes=4096, num_blocks=256, page_size=PAGE, layout="contiguous"
+    )
+    pool = make_pool(geometry)
+    ids = pool.alloc(3)
+    assert ids
+    pool.tensor(1)[0, ids[2]] = 9
+    whole = pool.tensor(0, 4).permute(1, 0, 2)  # (num_blocks, buffers, block_bytes)
+    assert torch.all(whole[ids[2], 1] == 9)
+    assert int(whole[ids[2]].sum()) == 9 * 4096
+
+
+def test_freed_pages_are_unmapped_released_and_come_back_zeroed(make_pool: PoolFactory) -> None:
+    pool = make_pool(GEOMETRY, reserve_pages=0)
+    baseline = host(pool).physical_bytes()  # page 0 with the null block
+    ids = pool.alloc(15 + 16 * 3)  # page 0 and three more pages
+    assert ids
+    assert host(pool).physical_bytes() == baseline + 3 * PAGE_BYTES
+    view = pool.tensor(0, 4)
+    for block in ids:
+        view[:, block] = 0xAB
+    pool.free(ids[15:])
+    pool.maintain()
+    assert pool.mapped_pages() == {0}
+    assert host(pool).physical_bytes() == baseline  # the memory really went back
+    again = pool.alloc(16 * 3)
+    assert again
+    assert set(again) == set(ids[15:])
+    assert int(view[:, again].sum()) == 0
+
+
+def test_a_background_reserve_keeps_ready_pages_without_exceeding_the_lease(
+    make_pool: PoolFactory,
+) -> None:
+    lease = MovableLease(4 * PAGE_BYTES)
+    pool = make_pool(GEOMETRY, lease=lease, reserve_pages=6, background=True)
+    wait_until(lambda: pool.snapshot().ready == 3 * PAGE_BYTES)  # limited by the lease
+    snap = pool.snapshot()
+    assert snap.held == 4 * PAGE_BYTES == snap.limit
+    assert lease.wants, "the pool asks for more lease when it cannot fill its reserve"
+    assert all(want % PAGE_BYTES == 0 for want in lease.wants)
+    ids = pool.alloc(15 + 3 * 16)
+    assert ids and pool.snapshot().waits == 0  # the reserve covered the whole request
+
+
+def test_wants_come_in_chunks_and_grants_let_the_pool_grow(make_pool: PoolFactory) -> None:
+    lease = MovableLease(2 * PAGE_BYTES, grant_up_to=12 * PAGE_BYTES)
+    pool = make_pool(GEOMETRY, lease=lease, reserve_pages=2, lease_chunk_bytes=4 * PAGE_BYTES)
+    ids = pool.alloc(100)  # needs 7 pages: beyond the lease, granted in chunks of 4 pages
+    assert ids and len(ids) == 100
+    assert lease.wants and all(w % (4 * PAGE_BYTES) == 0 for w in lease.wants)
+    assert pool.snapshot().held <= lease.limit()
+
+
+def test_a_lowered_lease_evicts_cache_unmaps_emptied_pages_and_keeps_blocks_in_use(
+    make_pool: PoolFactory,
+) -> None:
+    lease = MovableLease(16 * PAGE_BYTES)
+    pool = make_pool(GEOMETRY, lease=lease, reserve_pages=2)
+    cache = PrefixCache(pool)
+    pool.set_evictor(cache)
+    in_use = pool.alloc(15 + 16)  # pages 0 and 1
+    cached = pool.alloc(16 * 3)  # pages 2-4, kept only as cache
+    assert in_use and cached
+    cache.blocks = list(cached)
+    view = pool.tensor(0, 4)
+    for block in in_use:
+        view[:, block] = block % 251
+    pool.maintain()
+    assert pool.snapshot().ready == 2 * PAGE_BYTES
+    lease.set_limit(2 * PAGE_BYTES)
+    assert not pool.alloc(1)  # stop growing: nothing new while over the lease
+    pool.maintain()  # ready pages go first, then the cache is evicted, emptied pages unmapped
+    assert cache.evict_calls and not cache.blocks
+    snap = pool.snapshot()
+    assert pool.mapped_pages() == {0, 1}
+    assert snap.held == 2 * PAGE_BYTES
+    assert lease.reports[-1].mapped == 2 * PAGE_BYTES
+    for block in in_use:
+        assert torch.all(view[:, block] == block % 251)
+
+
+def test_alloc_never_maps_beyond_the_lease(make_pool: PoolFactory) -> None:
+    lease = MovableLease(6 * PAGE_BYTES)
+    pool = make_pool(GEOMETRY, lease=lease, reserve_pages=3)
+    held: list[int] = []
+    for step in range(60):
+        ids = pool.alloc(1 + step % 9)
+        if ids:
+            held += ids
+        if step % 4 == 3:
+            pool.free(held[: len(held) // 3])
+            held = held[len(held) // 3 :]
+        pool.maintain()
+        assert sum(host(pool).mapped_ranges().values()) <= lease.limit()
+
+
+def test_close_gives_everything_back_and_is_idempotent() -> None:
+    backend = HostBackend()
+    lease = MovableLease(2**30)
+    pool = KVPool(GEOMETRY, backend, lease, reserve_pages=2, background=True)
+    assert pool.alloc(40)
+    pool.close()
+    pool.close()
+    assert lease.closed and lease.reports[-1].held == 0
+    with pytest.raises(PoolClosedError):
+        pool.alloc(1)
+
+
+def test_a_lease_below_one_page_is_a_clear_start_up_error() -> None:
+    with pytest.raises(PoolError, match="does not cover one page"):
+        KVPool(GEOMETRY, HostBackend(), StaticLease(PAGE_BYTES - 1), lease_timeout_s=0.1)

@@ -1,0 +1,131 @@
+"""Random alloc/free/grow/shrink sequences against a pool on real host virtual memory.
+
+After every step: no block is handed out twice, every page is mapped at most once and
+exactly the pages the pool accounts for are mapped, the pool never grows beyond its
+lease, the engine's data in blocks in use is intact, and after a maintenance pass every
+free page beyond the reserve is unmapped.
+"""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from kvshare.runtime.backends.host import HostBackend
+from kvshare.runtime.errors import InvalidBlockError
+from kvshare.runtime.geometry import KVGeometry
+from kvshare.runtime.pool import NULL_BLOCK, KVPool
+
+from .support import MovableLease, PrefixCache
+
+PAGE = 16384
+# 4 blocks of 4 KiB per page and buffer (per-layer, 2 buffers): 18 blocks = 5 pages, the
+# last one partly outside the blocks.
+GEOMETRY = KVGeometry(num_buffers=2, block_bytes=4096, num_blocks=18, page_size=PAGE)
+PAGE_BYTES = GEOMETRY.page_bytes
+RESERVE = 2
+
+
+class PoolMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.backend = HostBackend()
+        self.lease = MovableLease(3 * PAGE_BYTES)
+        self.pool = KVPool(
+            GEOMETRY, self.backend, self.lease, reserve_pages=RESERVE, background=False
+        )
+        self.cache = PrefixCache(self.pool)
+        self.pool.set_evictor(self.cache)
+        self.in_use: set[int] = set()
+        self.view = self.pool.tensor(0, 2)
+        self.held_before = self.pool.snapshot().held
+
+    def teardown(self) -> None:
+        self.pool.close()
+
+    def _mark(self, block: int) -> int:
+        return block * 7 % 251
+
+    @rule(n=st.integers(min_value=1, max_value=9))
+    def alloc(self, n: int) -> None:
+        ids = self.pool.alloc(n)
+        if not ids:
+            return
+        assert len(ids) == n == len(set(ids))
+        assert NULL_BLOCK not in ids
+        assert not set(ids) & (self.in_use | set(self.cache.blocks))
+        for block in ids:
+            self.view[:, block, :8] = self._mark(block)
+        self.in_use |= set(ids)
+
+    @precondition(lambda self: self.in_use)
+    @rule(data=st.data())
+    def free(self, data: st.DataObject) -> None:
+        chosen = data.draw(st.lists(st.sampled_from(sorted(self.in_use)), unique=True, min_size=1))
+        self.pool.free(chosen)
+        self.in_use -= set(chosen)
+
+    @precondition(lambda self: self.in_use)
+    @rule(data=st.data())
+    def keep_as_cache(self, data: st.DataObject) -> None:
+        block = data.draw(st.sampled_from(sorted(self.in_use)))
+        self.in_use.discard(block)
+        self.cache.blocks.append(block)
+
+    @precondition(lambda self: self.in_use)
+    @rule(data=st.data())
+    def double_free_is_refused(self, data: st.DataObject) -> None:
+        block = data.draw(st.sampled_from(sorted(self.in_use)))
+        before = self.pool.snapshot()
+        self.pool.free([block])
+        try:
+            self.pool.free([block])
+        except InvalidBlockError:
+            pass
+        else:
+            raise AssertionError("a double free was accepted")
+        assert self.pool.snapshot().used_blocks == before.used_blocks - 1
+        self.in_use.discard(block)
+
+    @rule(pages=st.integers(min_value=0, max_value=6))
+    def move_lease(self, pages: int) -> None:
+        self.lease.set_limit(pages * PAGE_BYTES)
+
+    @rule()
+    def maintain(self) -> None:
+        self.pool.maintain()
+        snap = self.pool.snapshot()
+        pages_in_use = {GEOMETRY.page_of(b) for b in self.in_use} | {0}
+        if snap.held > snap.limit:  # still over the lease: only pages with live blocks stay
+            assert not self.cache.blocks
+            assert self.pool.mapped_pages() == pages_in_use
+        else:  # every free page beyond the reserve is unmapped
+            assert snap.ready <= RESERVE * PAGE_BYTES
+
+    @invariant()
+    def no_growth_beyond_the_lease(self) -> None:
+        held = self.pool.snapshot().held
+        assert held <= max(self.held_before, self.lease.limit()), "grew beyond the lease"
+        self.held_before = held
+
+    @invariant()
+    def mapped_pages_are_exactly_the_pools(self) -> None:
+        mapped = self.backend.mapped_ranges()
+        per_page = len(GEOMETRY.page_chunks(0))
+        assert len(mapped) == per_page * len(self.pool.mapped_pages())
+        snap = self.pool.snapshot()
+        assert snap.mapped == sum(mapped.values())
+        assert snap.used_blocks == len(self.in_use) + len(self.cache.blocks)
+
+    @invariant()
+    def blocks_in_use_keep_their_data(self) -> None:
+        mapped = self.pool.mapped_pages()
+        for block in self.in_use | set(self.cache.blocks):
+            assert GEOMETRY.page_of(block) in mapped
+            assert torch.all(self.view[:, block, :8] == self._mark(block))
+
+
+PoolMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+TestPoolStateMachine = PoolMachine.TestCase

@@ -1,0 +1,280 @@
+"""Tensor-parallel ownership with real rank processes, through the public entry points.
+
+Local ownership (SGLang: one scheduler per rank): every rank's pool maps its own null-block
+page exactly once and sends nothing to any other rank, while the real TP size is carried.
+Coordinated ownership (vLLM: one scheduler, the owner, in this test process): every rank
+maps exactly the owner's pages, each rank's lease bounds the group, and a killed or hung
+rank is an error to the owner within the timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvshare.runtime.coordinated import CoordinatedOwnership
+from kvshare.runtime.errors import PeerError, PoolError
+from kvshare.runtime.pool import KVPool
+
+from .tp_rank import GEOMETRY
+
+ROOT = Path(__file__).resolve().parents[2]
+PAGE_BYTES = GEOMETRY.page_bytes
+TIMEOUT = 60.0
+
+
+class RankProcess:
+    """A rank's process; its stdout lines arrive on a queue."""
+
+    def __init__(
+        self,
+        mode: str,
+        *,
+        group: str,
+        rank: int,
+        world_size: int,
+        directory: str,
+        limit_pages: int = 64,
+    ) -> None:
+        self.rank = rank
+        self.stderr = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - closed by stop()
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tests.runtime.tp_rank",
+                "--mode",
+                mode,
+                "--group",
+                group,
+                "--rank",
+                str(rank),
+                "--world-size",
+                str(world_size),
+                "--dir",
+                directory,
+                "--limit-pages",
+                str(limit_pages),
+            ],
+            cwd=ROOT,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.stderr,
+            text=True,
+        )
+        self.lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.put(line.strip())
+
+    def expect(self) -> str:
+        try:
+            return self.lines.get(timeout=TIMEOUT)
+        except queue.Empty:
+            self.stderr.seek(0)
+            raise AssertionError(
+                f"rank {self.rank} said nothing: {self.stderr.read()[-3000:]}"
+            ) from None
+
+    def ask(self, command: str) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+        result: dict[str, Any] = json.loads(self.expect())
+        return result
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                assert self.proc.stdin is not None
+                self.proc.stdin.write("exit\n")
+                self.proc.stdin.flush()
+                self.proc.wait(timeout=TIMEOUT)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+        self.stderr.close()
+
+
+@pytest.fixture
+def socket_dir() -> Iterator[str]:
+    directory = tempfile.mkdtemp(prefix="kvs", dir="/tmp")
+    yield directory
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.fixture
+def ranks(socket_dir: str) -> Iterator[list[RankProcess]]:
+    started: list[RankProcess] = []
+    yield started
+    for rank in started:
+        if rank.proc.poll() is None and rank.proc.returncode is None:
+            os.kill(rank.proc.pid, signal.SIGCONT)
+        rank.stop()
+
+
+def start_ranks(
+    ranks: list[RankProcess], directory: str, world_size: int, limits: list[int] | None = None
+) -> None:
+    for rank in range(world_size):
+        limit = limits[rank] if limits else 64
+        ranks.append(
+            RankProcess(
+                "coordinated",
+                group="g1",
+                rank=rank,
+                world_size=world_size,
+                directory=directory,
+                limit_pages=limit,
+            )
+        )
+    for rank in ranks:
+        assert rank.expect() == "ready"
+
+
+def owner_pool(directory: str, world_size: int, timeout_s: float = TIMEOUT) -> KVPool:
+    ownership = CoordinatedOwnership("g1", world_size, socket_dir=directory, timeout_s=timeout_s)
+    return KVPool(GEOMETRY, None, ownership.group_lease(), ownership, reserve_pages=2)
+
+
+def test_local_ranks_map_their_own_null_page_once_and_send_nothing(socket_dir: str) -> None:
+    world_size = 4
+    procs = [
+        RankProcess("local", group="g1", rank=r, world_size=world_size, directory=socket_dir)
+        for r in range(world_size)
+    ]
+    try:
+        results = [json.loads(p.expect()) for p in procs]
+    finally:
+        for p in procs:
+            p.proc.wait(timeout=TIMEOUT)
+            p.stderr.close()
+    for rank, result in enumerate(results):
+        assert result["rank"] == rank and result["world_size"] == world_size
+        assert result["page0_maps"] == [1] * GEOMETRY.num_buffers  # no duplicate null-page map
+        assert result["max_maps_per_address"] >= 1
+        assert result["sockets"] == 0  # no connection to any other rank
+        assert 0 in result["mapped"]
+    assert os.listdir(socket_dir) == []  # nobody listened either
+
+
+def test_coordinated_ranks_map_exactly_the_owners_pages(
+    ranks: list[RankProcess], socket_dir: str
+) -> None:
+    start_ranks(ranks, socket_dir, world_size=4)
+    pool = owner_pool(socket_dir, 4)
+    try:
+        rng = random.Random(7)
+        live: list[list[int]] = []
+        for _ in range(300):
+            if live and rng.random() < 0.45:
+                pool.free(live.pop(rng.randrange(len(live))))
+            else:
+                ids = pool.alloc(rng.randint(1, 24))
+                if ids:
+                    live.append(ids)
+        pool.maintain()
+        expected = sorted(pool.mapped_pages())
+        assert len(expected) > 3
+        for rank in ranks:
+            state = rank.ask("dump")
+            assert state["mapped"] == expected
+            assert state["intact"]
+            assert state["page0_maps"] == [1] * GEOMETRY.num_buffers
+            assert state["mapped_bytes"] == len(expected) * PAGE_BYTES
+    finally:
+        pool.close()
+    for rank in ranks:  # the owner is gone: every rank gives its memory back
+        deadline = time.monotonic() + TIMEOUT
+        while rank.ask("state")["mapped"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert rank.ask("state")["mapped"] == []
+
+
+def test_the_smallest_rank_lease_bounds_the_group_and_a_reclaim_shrinks_every_rank(
+    ranks: list[RankProcess], socket_dir: str
+) -> None:
+    start_ranks(ranks, socket_dir, world_size=2, limits=[12, 8])
+    pool = owner_pool(socket_dir, 2)
+    try:
+        assert pool.snapshot().lease == 8 * PAGE_BYTES
+        ids = pool.alloc(pool.available())
+        assert ids and pool.snapshot().held == 8 * PAGE_BYTES
+        pool.free(ids[GEOMETRY.page_size // GEOMETRY.block_bytes * 2 :])  # keep ~2 pages used
+        ranks[0].ask(f"lower {3 * PAGE_BYTES}")
+        deadline = time.monotonic() + TIMEOUT
+        while pool.snapshot().held > 3 * PAGE_BYTES and time.monotonic() < deadline:
+            time.sleep(0.05)
+        expected = sorted(pool.mapped_pages())
+        assert len(expected) <= 3
+        for rank in ranks:
+            assert rank.ask("dump")["mapped"] == expected
+    finally:
+        pool.close()
+
+
+def test_a_killed_rank_is_an_error_to_the_owner_within_the_timeout(
+    ranks: list[RankProcess], socket_dir: str
+) -> None:
+    start_ranks(ranks, socket_dir, world_size=2)
+    pool = owner_pool(socket_dir, 2, timeout_s=5.0)
+    try:
+        assert pool.alloc(10)
+        ranks[1].proc.kill()
+        ranks[1].proc.wait()
+        start = time.monotonic()
+        with pytest.raises(PeerError, match="rank 1"):
+            while time.monotonic() - start < 5.0:
+                pool.alloc(GEOMETRY.page_size // GEOMETRY.block_bytes)  # grows: talks to ranks
+        assert time.monotonic() - start < 5.0
+    finally:
+        pool.close()
+
+
+def test_a_hung_rank_is_an_error_to_the_owner_after_the_timeout(
+    ranks: list[RankProcess], socket_dir: str
+) -> None:
+    start_ranks(ranks, socket_dir, world_size=2)
+    pool = owner_pool(socket_dir, 2, timeout_s=2.0)
+    try:
+        pool.maintain()
+        os.kill(ranks[0].proc.pid, signal.SIGSTOP)
+        start = time.monotonic()
+        with pytest.raises(PeerError, match=r"rank 0 .*no answer to '\w+' within 2 s"):
+            pool.alloc(pool.available())
+        assert 2.0 <= time.monotonic() - start < 20.0
+        with pytest.raises(PeerError):  # the pool refuses further work: its ranks are out of step
+            pool.alloc(1)
+    finally:
+        os.kill(ranks[0].proc.pid, signal.SIGCONT)
+        pool.close()
+
+
+def test_an_owner_with_another_geometry_or_size_is_refused(
+    ranks: list[RankProcess], socket_dir: str
+) -> None:
+    start_ranks(ranks, socket_dir, world_size=2)
+    with pytest.raises(PeerError, match="is not listening"):
+        CoordinatedOwnership("g1", 3, socket_dir=socket_dir, connect_timeout_s=0.3)
+    ownership = CoordinatedOwnership("g1", 2, socket_dir=socket_dir)
+    other = type(GEOMETRY)(num_buffers=2, block_bytes=4096, num_blocks=400, page_size=16384)
+    with pytest.raises(PoolError, match="differs from this rank's"):
+        KVPool(other, None, ownership.group_lease(), ownership)
+    ownership.close()
