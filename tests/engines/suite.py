@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import pytest
 
+from kvshare.api import env
 from kvshare.runtime.engines.activation import engine_version
+from kvshare.runtime.engines.pools import Role
+from kvshare.runtime.lease import LeaseSource
 from kvshare.runtime.engines.registry import SupportedLine, find_line
+from tests.runtime.support import MovableLease
 
 
 def installed_line(engine: str) -> SupportedLine:
@@ -17,3 +21,9 @@ def mark_engines(items: list[pytest.Item]) -> None:
     """Mark every collected test ``engines``: it needs the real engine package."""
     for item in items:
         item.add_marker(pytest.mark.engines)
+
+
+def movable_lease(role: Role) -> LeaseSource:
+    """A lease the test moves as the broker would (stand-in for the node agent's broker):
+    ``KVSHARE_KV_LIMIT`` at first, lowered by ``set_limit``."""
+    return MovableLease(env.KV_LIMIT.require())

@@ -1,10 +1,16 @@
-"""What every engine hook needs from the runtime: a pool on the worker's own device, the
-KV capacity to announce, and the GPU's start-up turn.
+"""What every engine hook needs from the runtime: pools on the worker's own device, the KV
+capacity to announce, and the GPU's start-up turn.
 
 Engine modules call these functions and nothing else of the runtime, so the engine
-patches stay about the engine. Pools opened here are kept in a per-process table, so the
-engine's scheduler (which sizes and allocates) finds the pool its worker's tensors live
-in when both run in one process.
+patches stay about the engine. Two shapes of pool (DESIGN §2):
+
+- :func:`open_local_pool` — a rank that owns its pages (SGLang: one scheduler per rank).
+- :func:`open_rank` + :func:`open_owner_pool` — a coordinated group (vLLM): every worker
+  serves its device's memory through a :class:`~kvshare.runtime.rank_server.RankServer`,
+  and the scheduler's pool (no memory of its own) maps the same pages on all of them.
+
+Devices are always explicit indices, resolved on the engine's own thread when the pool is
+opened (see :func:`device_index`); leases come from the broker, or ``KVSHARE_KV_LIMIT``.
 """
 
 from __future__ import annotations
@@ -22,22 +28,25 @@ if TYPE_CHECKING:
     import torch
 
     from kvshare.runtime.geometry import KVGeometry
+    from kvshare.runtime.lease import LeaseSource
     from kvshare.runtime.pool import KVPool
+    from kvshare.runtime.rank_server import RankServer
 
 log = logging.getLogger(__name__)
 
 __all__ = [
     "EngineConfigError",
-    "PoolIdentity",
+    "Role",
     "device_index",
-    "find_pool",
-    "open_pool",
+    "forget_pools",
+    "lease_for",
+    "open_local_pool",
+    "open_owner_pool",
+    "open_rank",
     "page_size",
     "startup_turn",
     "virtual_kv_bytes",
 ]
-
-OwnershipMode = Literal["local", "coordinated"]
 
 
 class EngineConfigError(RuntimeError):
@@ -45,30 +54,30 @@ class EngineConfigError(RuntimeError):
 
 
 @dataclass(frozen=True)
-class PoolIdentity:
-    """Who a pool belongs to: reported to the broker, used for metrics and listeners."""
+class Role:
+    """Where a pool sits in the engine: its tensor-parallel rank and who owns the pages."""
 
     engine: str
     rank: int
     world_size: int
-    ownership: OwnershipMode
+    ownership: Literal["local", "coordinated"]
 
 
-_lock = threading.Lock()  # guards _pools
-_pools: dict[int, KVPool] = {}  # device index -> the pool of this process on that device
+_lock = threading.Lock()  # guards _opened
+_opened: list[KVPool | RankServer] = []  # closed by forget_pools (engine shutdown, tests)
 
 
-def device_index(device: torch.device | str | int) -> int:
-    """The explicit index of ``device``; an implicit ``cuda`` is resolved now, on the calling
-    thread, and never again: a pool's device must not follow whatever device a later
-    (background) thread happens to have current."""
+def device_index(device: torch.device | str) -> int:
+    """The explicit index of ``device``. An implicit ``cuda`` is resolved now, on the calling
+    (engine) thread, and never again: a pool's device must not follow whatever device a later
+    background thread happens to have current."""
     import torch
 
-    resolved = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
+    resolved = torch.device(device)
     if resolved.index is not None:
         return resolved.index
     if resolved.type == "cuda":
-        return torch.cuda.current_device()
+        return int(torch.cuda.current_device())
     return 0
 
 
@@ -78,7 +87,7 @@ def page_size() -> int:
 
 
 def virtual_kv_bytes(device: torch.device | str) -> int:
-    """The KV capacity the engine should size its cache for: the pool's virtual size.
+    """The KV capacity the engine sizes its cache for: the pool's virtual size.
 
     ``KVSHARE_KV_MAX`` when set; otherwise the device's total memory less this worker's
     static footprint (``KVSHARE_STATIC_BYTES``). Never the device's *free* memory, which
@@ -92,8 +101,8 @@ def virtual_kv_bytes(device: torch.device | str) -> int:
     target = torch.device(device)
     if target.type != "cuda":
         raise EngineConfigError(
-            f"the KV cache on {target} has no device memory to size it from; set "
-            "KVSHARE_KV_MAX to the largest KV cache (in bytes) this worker may grow to"
+            f"a KV cache on {target} has no device memory to be sized from; set "
+            "KVSHARE_KV_MAX to the largest KV cache (bytes) this worker may grow to"
         )
     _, total = torch.cuda.mem_get_info(device_index(target))
     static = env.STATIC_BYTES.require()
@@ -102,27 +111,23 @@ def virtual_kv_bytes(device: torch.device | str) -> int:
             f"KVSHARE_STATIC_BYTES ({static}) is not below the device's memory ({total}); "
             "set it to this worker's weights, activations and CUDA context"
         )
-    return total - static
+    return int(total) - static
 
 
-def _open_lease(identity: PoolIdentity, device: int) -> object:
+def lease_for(role: Role) -> LeaseSource:
+    """The lease of a pool or rank in ``role``: the broker's, or ``KVSHARE_KV_LIMIT``."""
     from kvshare.runtime.leases import lease_from_env
 
-    return lease_from_env(
-        engine=identity.engine,
-        rank=identity.rank,
-        tp_size=identity.world_size,
-        device=device,
-    )
+    return lease_from_env(rank=role.rank, tp_size=role.world_size, engine=role.engine)
 
 
-def open_pool(geometry: KVGeometry, device: torch.device | str, identity: PoolIdentity) -> KVPool:
-    """Open this process's pool on ``device`` (explicit index) and remember it.
+def _remember(opened: KVPool | RankServer) -> None:
+    with _lock:
+        _opened.append(opened)
 
-    The backend comes from ``KVSHARE_BACKEND``, the lease from the broker (or
-    ``KVSHARE_KV_LIMIT``), the ownership from ``identity`` (local: page operations never
-    leave this process; the TP size is still reported).
-    """
+
+def open_local_pool(geometry: KVGeometry, device: torch.device | str, role: Role) -> KVPool:
+    """A pool whose page operations never leave this process; the TP size is still reported."""
     from kvshare.runtime.backends import open_backend
     from kvshare.runtime.ownership import LocalOwnership
     from kvshare.runtime.pool import KVPool
@@ -130,27 +135,23 @@ def open_pool(geometry: KVGeometry, device: torch.device | str, identity: PoolId
     index = device_index(device)
     backend = open_backend(env.BACKEND.require(), index)
     try:
-        lease = _open_lease(identity, index)
+        lease = lease_for(role)
     except BaseException:
         backend.close()
         raise
     pool = KVPool(
         geometry,
         backend,
-        lease,  # type: ignore[arg-type]
-        LocalOwnership(identity.rank, identity.world_size),
+        lease,
+        LocalOwnership(role.rank, role.world_size),
         reserve_pages=env.RESERVE_PAGES.require(),
     )
-    with _lock:
-        previous = _pools.get(index)
-        _pools[index] = pool
-    if previous is not None:
-        previous.close()
+    _remember(pool)
     log.info(
-        "kvshare pool for %s rank %d/%d on device %d: %d blocks of %d bytes x %d buffers",
-        identity.engine,
-        identity.rank,
-        identity.world_size,
+        "kvshare pool of %s rank %d/%d on device %d: %d blocks of %d bytes x %d buffers",
+        role.engine,
+        role.rank,
+        role.world_size,
         index,
         geometry.num_blocks,
         geometry.block_bytes,
@@ -159,27 +160,82 @@ def open_pool(geometry: KVGeometry, device: torch.device | str, identity: PoolId
     return pool
 
 
-def find_pool(num_blocks: int) -> KVPool | None:
-    """The pool of this process whose geometry has ``num_blocks`` blocks, if any."""
-    with _lock:
-        pools = list(_pools.values())
-    matches = [pool for pool in pools if pool.geometry.num_blocks == num_blocks]
-    return matches[0] if len(matches) == 1 else None
+def open_rank(
+    geometry: KVGeometry, device: torch.device | str, role: Role, group: str
+) -> RankServer:
+    """Serve this worker's device memory to its group's owner; tensors via ``.space``."""
+    from kvshare.runtime.backends import open_backend
+    from kvshare.runtime.rank_server import RankServer
+
+    index = device_index(device)
+    backend = open_backend(env.BACKEND.require(), index)
+    try:
+        lease = lease_for(role)
+    except BaseException:
+        backend.close()
+        raise
+    server = RankServer(
+        geometry, backend, lease, group=group, rank=role.rank, world_size=role.world_size
+    )
+    _remember(server)
+    return server
+
+
+def open_owner_pool(geometry: KVGeometry, group: str, world_size: int) -> KVPool:
+    """The pool that decides for a coordinated group; every rank maps what it maps."""
+    from kvshare.runtime.coordinated import CoordinatedOwnership
+    from kvshare.runtime.pool import KVPool
+
+    ownership = CoordinatedOwnership(group, world_size)
+    try:
+        pool = KVPool(
+            geometry,
+            None,
+            ownership.group_lease(),
+            ownership,
+            reserve_pages=env.RESERVE_PAGES.require(),
+        )
+    except BaseException:
+        ownership.close()
+        raise
+    _remember(pool)
+    return pool
 
 
 def forget_pools() -> None:
-    """Close and forget every pool of this process (engine shutdown, tests)."""
+    """Close every pool and rank server this process opened (engine shutdown, tests)."""
     with _lock:
-        pools = list(_pools.values())
-        _pools.clear()
-    for pool in pools:
-        pool.close()
+        opened = list(reversed(_opened))
+        _opened.clear()
+    for item in opened:
+        item.close()
 
 
 @contextlib.contextmanager
-def startup_turn(engine: str, device: torch.device | str) -> Iterator[None]:
-    """Hold the GPU's start-up turn from the broker while the engine profiles memory."""
-    from kvshare.runtime.broker_client import startup_turn as broker_turn
+def startup_turn(role: Role) -> Iterator[None]:
+    """Hold the GPU's start-up turn from the broker while the engine profiles memory.
 
-    with broker_turn(engine=engine, device=device_index(device)):
+    Without a node agent (``KVSHARE_KV_LIMIT`` standalone use) there is no turn to take.
+    """
+    from kvshare.runtime.broker_client import (
+        PoolIdentity,
+        broker_present,
+        broker_socket_path,
+    )
+    from kvshare.runtime.broker_client import (
+        startup_turn as broker_turn,
+    )
+    from kvshare.runtime.leases import gpu_for_rank
+
+    if not broker_present(broker_socket_path()):
+        log.debug("no kvshare broker: %s rank %d starts without a turn", role.engine, role.rank)
+        yield
+        return
+    identity = PoolIdentity.from_env(rank=role.rank, tp_size=role.world_size, engine=role.engine)
+    with broker_turn(
+        gpu_for_rank(role.rank),
+        static_bytes=env.STATIC_BYTES.require(),
+        kv_min=env.KV_MIN.require(),
+        identity=identity,
+    ):
         yield

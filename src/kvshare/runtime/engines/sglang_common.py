@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvshare.runtime.engines import pools
 from kvshare.runtime.engines.patching import AnyCallable, Patch, PatchSet, Target
-from kvshare.runtime.engines.pools import EngineConfigError, PoolIdentity
+from kvshare.runtime.engines.pools import EngineConfigError, Role
 
 if TYPE_CHECKING:
     import torch
@@ -49,7 +49,7 @@ _GRANTS_ATTRIBUTE = "_kvshare_grants"
 _EVICTOR_ATTRIBUTE = "_kvshare_evictor"
 
 
-def _rank_identity() -> PoolIdentity:
+def _rank_role() -> Role:
     from sglang.srt.distributed import parallel_state
 
     if parallel_state.model_parallel_is_initialized():
@@ -57,7 +57,7 @@ def _rank_identity() -> PoolIdentity:
         world_size = parallel_state.get_tensor_model_parallel_world_size()
     else:
         rank, world_size = 0, 1
-    return PoolIdentity(ENGINE, rank, world_size, "local")
+    return Role(ENGINE, int(rank), int(world_size), "local")
 
 
 def pool_of(owner: Any) -> KVPool | None:
@@ -96,7 +96,7 @@ def buffers_from_pool(original: AnyCallable) -> AnyCallable:
             page_size=pools.page_size(),
             layout="per-layer",
         )
-        pool = pools.open_pool(geometry, self.device, _rank_identity())
+        pool = pools.open_local_pool(geometry, self.device, _rank_role())
         shape = (num_blocks * rows_per_block, *k_shape[1:])
 
         def view(buffer: int) -> torch.Tensor:
@@ -373,7 +373,7 @@ def sizing_from_pool(original: AnyCallable) -> AnyCallable:
         device = torch.device(self.device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", self.gpu_id)
-        with pools.startup_turn(ENGINE, device):
+        with pools.startup_turn(_rank_role()):
             return pools.virtual_kv_bytes(device)
 
     return _profile_available_bytes

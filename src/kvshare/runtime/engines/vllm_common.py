@@ -23,21 +23,27 @@ What changes in vLLM:
   ``Scheduler.update_from_output``, so a prefix hit found in ``schedule`` is never evicted
   before ``schedule`` takes a reference to it.
 
-Scope: in one process the scheduler finds its worker's pool (tensor-parallel size 1, the
-uni-process executor). A scheduler without a pool in its process refuses to start.
+Tensor parallelism uses *coordinated* ownership: each worker serves its device's memory
+through a rank server (``Worker.initialize_from_config`` names the group after vLLM's
+instance id and data-parallel rank), and the scheduler's pool, which holds no memory
+itself, maps every page on all ranks before it hands out a block (``Scheduler.__init__``
+names the same group). With one worker in the scheduler's process the group has one rank.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import logging
+import re
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvshare.runtime.engines import pools
 from kvshare.runtime.engines.patching import AnyCallable, Patch, PatchSet, Target
-from kvshare.runtime.engines.pools import EngineConfigError, PoolIdentity
+from kvshare.runtime.engines.pools import EngineConfigError, Role
 
 if TYPE_CHECKING:
     import torch
@@ -123,21 +129,82 @@ def plan_pool(kv_cache_config: Any, layout: Any) -> PoolPlan:
     return PoolPlan(geometry, placed)
 
 
-def _worker_identity() -> PoolIdentity:
+@dataclasses.dataclass(frozen=True)
+class Group:
+    """A coordinated group: one vLLM engine core and its tensor-parallel workers."""
+
+    name: str
+    world_size: int
+
+
+#: Set while vLLM builds a worker's KV cache (``Worker.initialize_from_config``).
+_worker: contextvars.ContextVar[tuple[Group, Role]] = contextvars.ContextVar("kvshare_vllm_worker")
+#: Set while vLLM builds its scheduler (``Scheduler.__init__``): the group and KV layout.
+_scheduler: contextvars.ContextVar[tuple[Group, Any]] = contextvars.ContextVar(
+    "kvshare_vllm_scheduler"
+)
+
+
+def group_of(vllm_config: Any) -> Group:
+    """The group of one engine core: named after vLLM's instance id and data-parallel rank."""
+    parallel = vllm_config.parallel_config
+    if parallel.pipeline_parallel_size > 1:
+        raise EngineConfigError(
+            f"kvshare serves vLLM with pipeline-parallel size 1, not "
+            f"{parallel.pipeline_parallel_size}"
+        )
+    instance = re.sub(r"[^A-Za-z0-9._-]", "-", str(vllm_config.instance_id))[:32] or "engine"
+    name = f"vllm-{instance}-dp{parallel.data_parallel_rank}"
+    return Group(name, int(parallel.tensor_parallel_size))
+
+
+def _tp_rank() -> int:
     from vllm.distributed import parallel_state
 
     if parallel_state.model_parallel_is_initialized():
-        rank = parallel_state.get_tensor_model_parallel_rank()
-        world_size = parallel_state.get_tensor_model_parallel_world_size()
-    else:
-        rank, world_size = 0, 1
-    if world_size > 1:
-        raise EngineConfigError(
-            f"kvshare serves vLLM with tensor-parallel size 1 in this release; this worker is "
-            f"rank {rank} of {world_size}. Run with --tensor-parallel-size 1 or unset "
-            "KVSHARE_ENABLE"
-        )
-    return PoolIdentity(ENGINE, rank, world_size, "coordinated")
+        return int(parallel_state.get_tensor_model_parallel_rank())
+    return 0
+
+
+@contextlib.contextmanager
+def worker_context(group: Group, rank: int) -> Iterator[None]:
+    """While set, ``allocate_kv_cache`` serves rank ``rank`` of ``group``."""
+    token = _worker.set((group, Role(ENGINE, rank, group.world_size, "coordinated")))
+    try:
+        yield
+    finally:
+        _worker.reset(token)
+
+
+@contextlib.contextmanager
+def scheduler_context(group: Group, layout: Any) -> Iterator[None]:
+    """While set, a KV cache coordinator draws its blocks from ``group``'s owner pool."""
+    token = _scheduler.set((group, layout))
+    try:
+        yield
+    finally:
+        _scheduler.reset(token)
+
+
+def in_worker_group(original: AnyCallable) -> AnyCallable:
+    """Wrapper for ``Worker.initialize_from_config``: the worker's KV cache joins its group."""
+
+    def initialize_from_config(self: Any, kv_cache_config: Any) -> None:
+        with worker_context(group_of(self.vllm_config), _tp_rank()):
+            original(self, kv_cache_config)
+
+    return initialize_from_config
+
+
+def in_scheduler_group(original: AnyCallable) -> AnyCallable:
+    """Wrapper for ``Scheduler.__init__``: its block pool becomes the group's owner."""
+
+    def init(self: Any, vllm_config: Any, *args: Any, **kwargs: Any) -> None:
+        layout = vllm_config.cache_config.get_resolved_kv_cache_layout()
+        with scheduler_context(group_of(vllm_config), layout):
+            original(self, vllm_config, *args, **kwargs)
+
+    return init
 
 
 # --- worker: KV cache tensors ---------------------------------------------------------
@@ -167,9 +234,16 @@ def allocating_from_pool(
         ) -> dict[str, torch.Tensor]:
             if not kv_cache_config.kv_cache_tensors:
                 return original(kv_cache_config, device, layout, kernel_block_sizes)  # type: ignore[no-any-return]
+            context = _worker.get(None)
+            if context is None:
+                raise EngineConfigError(
+                    "vLLM allocated a KV cache outside a worker's initialize_from_config; "
+                    "kvshare cannot tell which engine it belongs to"
+                )
+            group, role = context
             plan = plan_pool(kv_cache_config, layout)
-            pool = pools.open_pool(plan.geometry, device, _worker_identity())
-            raw = pool.tensor(0, plan.geometry.num_buffers).view(_int8())
+            server = pools.open_rank(plan.geometry, device, role, group.name)
+            raw = server.tensor(0, plan.geometry.num_buffers).view(_int8())
             return _views(
                 raw,
                 kv_cache_config,
@@ -239,7 +313,8 @@ def sizing_from_pool(original: AnyCallable) -> AnyCallable:
     def determine_available_memory(self: Any) -> int:
         virtual = pools.virtual_kv_bytes(self.device)
         self.cache_config.kv_cache_memory_bytes = virtual
-        with pools.startup_turn(ENGINE, self.device):
+        group = group_of(self.vllm_config)
+        with pools.startup_turn(Role(ENGINE, _tp_rank(), group.world_size, "coordinated")):
             return original(self)  # type: ignore[no-any-return]
 
     return determine_available_memory
@@ -384,20 +459,21 @@ def attach(block_pool: Any, pool: KVPool) -> PooledFreeBlockQueue:
 
 
 def attaching_block_pool(original: AnyCallable) -> AnyCallable:
-    """Wrapper for ``KVCacheCoordinator.__init__``: its block pool draws from the pool."""
+    """Wrapper for ``KVCacheCoordinator.__init__``: its block pool draws from the group."""
 
     def init(self: Any, kv_cache_config: Any, *args: Any, **kwargs: Any) -> None:
         original(self, kv_cache_config, *args, **kwargs)
         if not kv_cache_config.kv_cache_tensors:
             return  # an attention-free model: no KV cache to page
-        pool = pools.find_pool(self.block_pool.num_gpu_blocks)
-        if pool is None:
+        context = _scheduler.get(None)
+        if context is None:
             raise EngineConfigError(
-                f"vLLM's scheduler found no kvshare pool of {self.block_pool.num_gpu_blocks} "
-                "blocks in its process; kvshare serves vLLM with the uni-process executor "
-                "(tensor-parallel size 1)"
+                "vLLM built a KV cache coordinator outside its scheduler; kvshare cannot tell "
+                "which engine's workers hold the memory"
             )
-        attach(self.block_pool, pool)
+        group, layout = context
+        plan = plan_pool(kv_cache_config, layout)
+        attach(self.block_pool, pools.open_owner_pool(plan.geometry, group.name, group.world_size))
 
     return init
 
@@ -461,6 +537,17 @@ def usage_of_held_memory(original: AnyCallable) -> AnyCallable:
 _WORKER = "vllm.v1.worker"
 _CORE = "vllm.v1.core"
 _ALLOCATE = ("kv_cache_config", "device", "layout", "kernel_block_sizes")
+_SCHEDULER_INIT = (
+    "self",
+    "vllm_config",
+    "kv_cache_config",
+    "structured_output_manager",
+    "block_size",
+    "hash_block_size",
+    "mm_registry",
+    "include_finished_set",
+    "log_stats",
+)
 
 
 def vllm_patch_set(
@@ -487,6 +574,20 @@ def vllm_patch_set(
                 "KV cache tensors over the pool's reserved range",
             )
             for module in (f"{_WORKER}.gpu_model_runner", f"{_WORKER}.gpu.attn_utils")
+        ),
+        Patch(
+            Target(
+                f"{_WORKER}.gpu_worker",
+                "Worker.initialize_from_config",
+                ("self", "kv_cache_config"),
+            ),
+            in_worker_group,
+            "the worker's KV cache is a rank of its engine's coordinated group",
+        ),
+        Patch(
+            Target(f"{_CORE}.sched.scheduler", "Scheduler.__init__", _SCHEDULER_INIT),
+            in_scheduler_group,
+            "the scheduler's block pool owns its engine's coordinated group",
         ),
         Patch(
             Target(

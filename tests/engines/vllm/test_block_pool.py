@@ -1,0 +1,243 @@
+"""vLLM's own block pool and KV cache manager, patched, serve blocks from a kvshare pool.
+
+The KV cache config comes from vLLM's planner; the worker side runs vLLM's
+``allocate_kv_cache`` (patched: a rank server on the host backend) inside the worker's
+group, the scheduler side builds vLLM's ``KVCacheManager`` inside the scheduler's group
+(patched: the owner pool of that group). Requests are vLLM ``Request`` objects with vLLM's
+block hasher, driven through ``get_computed_blocks`` / ``allocate_slots`` / ``free``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+
+from kvshare.runtime.engines import pools, vllm_common
+from kvshare.runtime.engines.activation import activate
+from kvshare.runtime.pool import KVPool
+from kvshare.runtime.rank_server import RankServer
+from tests.engines.suite import movable_lease
+
+BLOCK_TOKENS = 16
+PAGE = 64 * 2**10  # 8 blocks of 8 KiB per page and layer
+LAYERS = ["model.layers.0.attn", "model.layers.1.attn"]
+VIRTUAL = 2 * 2**20  # 128 blocks
+LEASE_PAGES = 5  # page 0 (with the null block) and 4 more: 39 usable blocks
+_groups = itertools.count()
+
+
+@dataclass(repr=False)  # printing the views would read pages that are not mapped
+class Engine:
+    """One patched vLLM KV cache: the worker's views and rank server, the scheduler's manager."""
+
+    manager: Any
+    kv_caches: dict[str, torch.Tensor]
+    rank: RankServer
+    config: Any
+
+    @property
+    def pool(self) -> KVPool:
+        queue = vllm_common.queue_of(self.manager.block_pool)
+        assert queue is not None, "the block pool is not backed by kvshare"
+        return queue.pool
+
+    @property
+    def queue(self) -> vllm_common.PooledFreeBlockQueue:
+        queue = vllm_common.queue_of(self.manager.block_pool)
+        assert queue is not None
+        return queue
+
+
+def kv_cache_config(num_bytes: int) -> tuple[Any, Any]:
+    """vLLM's own plan for two full-attention layers in ``num_bytes``."""
+    from vllm.config import DeviceConfig, VllmConfig
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
+
+    try:
+        from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
+    except ImportError:  # 0.30.x keeps the planner in kv_cache_utils
+        from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups
+
+    vllm_config = VllmConfig(device_config=DeviceConfig(device="cpu"))
+    vllm_config.cache_config.kv_cache_layout = "LBHNC"
+    spec = FullAttentionSpec(
+        block_size=BLOCK_TOKENS, num_kv_heads=2, head_size=64, dtype=torch.float16
+    )
+    groups = [KVCacheGroupSpec(LAYERS, spec)]
+    config = get_kv_cache_config_from_groups(vllm_config, groups, num_bytes)
+    return config, vllm_config.cache_config.get_resolved_kv_cache_layout()
+
+
+@pytest.fixture
+def engine(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> Iterator[Engine]:
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.worker import gpu_model_runner
+
+    activate("vllm")
+    monkeypatch.setattr(pools, "lease_for", movable_lease)
+    monkeypatch.setenv("KVSHARE_BACKEND", "host")
+    monkeypatch.setenv("KVSHARE_PAGE_SIZE", str(PAGE))
+    monkeypatch.setenv("KVSHARE_KV_LIMIT", str(LEASE_PAGES * len(LAYERS) * PAGE))
+    monkeypatch.setenv("KVSHARE_RESERVE_PAGES", "0")
+    monkeypatch.setenv("KVSHARE_BROKER_SOCKET", str(tmp_path / "no-broker.sock"))
+    config, layout = kv_cache_config(VIRTUAL)
+    group = vllm_common.Group(f"t{os.getpid()}-{next(_groups)}", 1)
+    with vllm_common.worker_context(group, 0):
+        kv_caches = gpu_model_runner.allocate_kv_cache(config, torch.device("cpu"), layout, None)
+    with vllm_common.scheduler_context(group, layout):
+        manager = KVCacheManager(
+            config,
+            max_model_len=1024,
+            scheduler_block_size=BLOCK_TOKENS,
+            hash_block_size=BLOCK_TOKENS,
+            enable_caching=True,
+        )
+    rank = next(item for item in pools._opened if isinstance(item, RankServer))
+    try:
+        yield Engine(manager, kv_caches, rank, config)
+    finally:
+        pools.forget_pools()
+
+
+_requests = itertools.count()
+
+
+def request(tokens: list[int]) -> Any:
+    """A vLLM request with vLLM's own block hasher."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    init_none_hash(sha256)
+    return Request(
+        request_id=f"r{next(_requests)}",
+        prompt_token_ids=tokens,
+        sampling_params=SamplingParams(max_tokens=8),
+        pooling_params=None,
+        block_hasher=get_request_block_hasher(BLOCK_TOKENS, sha256),
+    )
+
+
+def schedule(engine: Engine, req: Any) -> list[int] | None:
+    """What vLLM's scheduler does for a new request: prefix lookup, then allocate slots."""
+    computed, num_computed, *_ = engine.manager.get_computed_blocks(req)
+    blocks = engine.manager.allocate_slots(
+        req, req.num_tokens - num_computed, num_computed, computed
+    )
+    if blocks is None:
+        return None
+    req.num_computed_tokens = req.num_tokens
+    ids: list[int] = engine.manager.get_block_ids(req.request_id)[0]
+    return ids
+
+
+def prompt(seed: int, blocks: int) -> list[int]:
+    return [(seed * 1000 + i) % 30000 for i in range(blocks * BLOCK_TOKENS)]
+
+
+def test_the_null_block_is_block_zero_and_never_handed_out(engine: Engine) -> None:
+    assert engine.manager.block_pool.null_block.block_id == 0
+    seen: set[int] = set()
+    for seed in range(4):
+        ids = schedule(engine, request(prompt(seed, 3)))
+        assert ids is not None
+        seen.update(ids)
+    assert 0 not in seen
+    assert engine.pool.snapshot().used_blocks == len(seen)
+
+
+def test_blocks_come_from_the_pool_and_uncached_ones_go_back_at_once(engine: Engine) -> None:
+    req = request(prompt(1, 3)[:40])  # 2 full blocks and a partial one
+    ids = schedule(engine, req)
+    assert ids is not None and len(ids) == 3
+    assert engine.pool.snapshot().used_blocks == 3
+    engine.manager.free(req)
+    # Full blocks stay as prefix cache (held by vLLM, allocated in the pool); the partial
+    # block had no hash and is free in the pool again.
+    assert engine.queue.num_held_blocks == 2
+    assert engine.pool.snapshot().used_blocks == 2
+
+
+def test_a_prefix_hit_reuses_the_cached_blocks(engine: Engine) -> None:
+    first = request(prompt(7, 4))
+    first_ids = schedule(engine, first)
+    assert first_ids is not None
+    engine.manager.free(first)
+    second = request(prompt(7, 4) + [1, 2, 3])
+    computed, num_computed, *_ = engine.manager.get_computed_blocks(second)
+    assert num_computed == 4 * BLOCK_TOKENS
+    ids = schedule(engine, second)
+    assert ids is not None
+    assert ids[:4] == first_ids[:4]
+    assert engine.queue.num_held_blocks == 0
+
+
+def test_exhaustion_makes_allocate_slots_say_no_and_takes_nothing(engine: Engine) -> None:
+    held = schedule(engine, request(prompt(2, 30)))
+    assert held is not None
+    before = engine.pool.snapshot().used_blocks
+    big = request(prompt(3, 20))
+    assert schedule(engine, big) is None  # vLLM's own "no space": the scheduler preempts
+    assert engine.pool.snapshot().used_blocks == before
+    assert engine.manager.get_block_ids(big.request_id) == ([],)
+
+
+def test_cached_blocks_are_evicted_to_make_room(engine: Engine) -> None:
+    for seed in range(3):
+        req = request(prompt(10 + seed, 10))
+        assert schedule(engine, req) is not None
+        engine.manager.free(req)
+    assert engine.queue.num_held_blocks == 30
+    big = request(prompt(99, 30))
+    ids = schedule(engine, big)
+    assert ids is not None and len(ids) == 30
+    assert engine.queue.num_held_blocks < 30  # vLLM's LRU gave up cached blocks
+
+
+def test_a_lowered_lease_evicts_cached_blocks_and_unmaps_their_pages(engine: Engine) -> None:
+    for seed in range(3):
+        req = request(prompt(20 + seed, 8))
+        assert schedule(engine, req) is not None
+        engine.manager.free(req)
+    cached = engine.queue.num_held_blocks
+    assert cached == 24
+    mapped_before = engine.pool.snapshot().mapped
+    engine.rank.lease.set_limit(1 * len(LAYERS) * PAGE)  # the broker reclaims: page 0 only
+    for _ in range(50):
+        engine.pool.maintain()
+        if engine.pool.snapshot().mapped <= len(LAYERS) * PAGE:
+            break
+    assert engine.queue.num_held_blocks == 0
+    assert engine.pool.snapshot().mapped < mapped_before
+    assert engine.rank.mapped_pages() == frozenset({0})
+    hashes = request(prompt(20, 8)).block_hashes
+    assert engine.manager.block_pool.get_cached_block(hashes[0], [0]) is None
+
+
+def test_reset_prefix_cache_gives_cached_blocks_back(engine: Engine) -> None:
+    req = request(prompt(5, 6))
+    assert schedule(engine, req) is not None
+    assert engine.manager.reset_prefix_cache() is False  # a block is in use
+    engine.manager.free(req)
+    assert engine.queue.num_held_blocks == 6
+    assert engine.manager.reset_prefix_cache() is True
+    assert engine.queue.num_held_blocks == 0
+    assert engine.pool.snapshot().used_blocks == 0
+
+
+def test_kv_views_are_the_pool_memory_of_each_block(engine: Engine) -> None:
+    ids = schedule(engine, request(prompt(4, 3)))
+    assert ids is not None
+    block = ids[1]
+    view = engine.kv_caches[LAYERS[1]]  # [blocks, heads, tokens, bytes]
+    view[block].view(torch.uint8).fill_(0xA5)
+    raw = engine.rank.tensor(1)[0]  # buffer of layer 1: (num_blocks, block_bytes)
+    assert bool((raw[block] == 0xA5).all())
+    assert int(raw[ids[0]].sum()) == 0  # its neighbour in the same request is untouched
