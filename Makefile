@@ -11,7 +11,7 @@ LOCK   := requirements/dev.lock
 DEV_STAMP  := $(VENV)/.dev-installed
 DEMO_STAMP := $(VENV)/.demo-installed
 
-.PHONY: help venv test lint format bench demo docs clean
+.PHONY: help venv engines test lint format bench demo docs clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -e 's/:.*## /\t/'
@@ -30,7 +30,10 @@ $(DEMO_STAMP): pyproject.toml $(LOCK) | $(PY)
 
 venv: $(DEV_STAMP)  ## create .venv with everything needed to develop
 
-test: $(DEV_STAMP)  ## run the test suite
+engines: $(DEV_STAMP)  ## install the pinned vLLM/SGLang test environments into .engines/
+	$(PY) tools/engine_env.py build
+
+test: $(DEV_STAMP) engines  ## run the test suite
 	$(PY) -m pytest
 
 lint: $(DEV_STAMP)  ## ruff (lint + format check) and mypy
@@ -52,4 +55,4 @@ docs: $(DEV_STAMP)  ## regenerate the README's generated tables
 	$(PY) tools/update_readme.py
 
 clean:  ## remove the virtualenv and caches
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .engines .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -110,8 +110,19 @@ class EngineImportHook(importlib.abc.MetaPathFinder):
         return None
 
 
+def _show_logs() -> None:
+    """Send kvshare's log lines to stderr beside the engine's (``KVSHARE_LOG_LEVEL``)."""
+    logger = logging.getLogger("kvshare")
+    logger.setLevel(env.LOG_LEVEL.require())
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [%(name)s] %(message)s"))
+        logger.addHandler(handler)
+
+
 def install() -> EngineImportHook:
     """Put the import hook first on ``sys.meta_path`` (once); patch engines already imported."""
+    _show_logs()
     for finder in sys.meta_path:
         if isinstance(finder, EngineImportHook):
             return finder

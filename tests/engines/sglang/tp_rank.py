@@ -1,0 +1,161 @@
+"""One SGLang tensor-parallel rank for the TP test: ``python -m tests.engines.sglang.tp_rank``.
+
+Joins a real two-rank SGLang TP group (torch.distributed over gloo, SGLang's own
+``init_distributed_environment`` and ``initialize_model_parallel``), then builds its KV
+cache as SGLang's configurator does on every rank: ``MHATokenToKVPool`` with the model's
+shape, the token allocator over it, the radix cache over the allocator — kvshare's patches
+applied. It then serves the same schedule as its peer (SGLang ranks make identical
+decisions), and prints what its pool did as one JSON line. Map calls are counted by a
+host backend that records every map and unmap per address.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import Counter
+
+import torch
+
+from kvshare.runtime import backends
+from kvshare.runtime.backends.host import HostBackend
+
+
+class CountingHostBackend(HostBackend):
+    """The real host backend, counting maps per address and maps over a live mapping."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.maps: Counter[int] = Counter()
+        self.live: set[int] = set()
+        self.duplicates: list[int] = []
+        self.bases: list[int] = []
+
+    def reserve(self, size: int) -> int:
+        base = super().reserve(size)
+        self.bases.append(base)
+        return base
+
+    def map(self, address: int, size: int, handle: int) -> None:
+        self.maps[address] += 1
+        if address in self.live:
+            self.duplicates.append(address)
+        super().map(address, size, handle)
+        self.live.add(address)
+
+    def unmap(self, address: int, size: int) -> None:
+        super().unmap(address, size)
+        self.live.discard(address)
+
+
+def join_tp_group(rank: int, world_size: int, init_method: str) -> None:
+    """SGLang's own TP bootstrap, on gloo (no GPU)."""
+    import sglang
+    from sglang.srt.distributed import parallel_state
+
+    parallel_state.init_distributed_environment(
+        world_size=world_size,
+        rank=rank,
+        distributed_init_method=init_method,
+        local_rank=rank,
+        backend="gloo",
+    )
+    if sglang.__version__.startswith("0.5.20"):
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=world_size)
+        return
+    # 0.5.23 reads the widths from its published parallel context; its documented way
+    # to state them without a full ServerArgs is an override.
+    from sglang.srt.runtime_context import get_parallel
+
+    get_parallel().override_permanently(
+        tp_size=world_size,
+        pp_size=1,
+        moe_ep_size=1,
+        attn_dp_size=1,
+        attn_cp_size=1,
+        moe_dp_size=1,
+        attn_dcp_size=1,
+        shared_experts_tp_size=None,
+    )
+    parallel_state.initialize_model_parallel()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--world-size", type=int, required=True)
+    parser.add_argument("--init-method", required=True)
+    args = parser.parse_args()
+
+    from kvshare.runtime.engines import pools, sglang_common
+    from kvshare.runtime.engines.activation import activate
+
+    counting = CountingHostBackend()
+    backends.open_backend = lambda kind="auto", device=0: counting  # type: ignore[assignment]
+    join_tp_group(args.rank, args.world_size, args.init_method)
+    activate("sglang")
+
+    from sglang.srt.distributed import parallel_state
+    from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+    from sglang.srt.mem_cache.radix_cache import RadixCache
+
+    size = 8 * 256 - 1
+    kvcache = MHATokenToKVPool(
+        size,
+        page_size=1,
+        dtype=torch.float16,
+        head_num=2,
+        head_dim=64,
+        layer_num=2,
+        device="cpu",
+        enable_memory_saver=False,
+    )
+    allocator = TokenToKVPoolAllocator(size, torch.float16, "cpu", kvcache, need_sort=False)
+    tree = RadixCache(
+        CacheInitParams(
+            disable=False,
+            req_to_token_pool=ReqToTokenPool(8, 4096, "cpu", False),
+            token_to_kv_pool_allocator=allocator,
+            page_size=1,
+        )
+    )
+    pool = sglang_common.pool_of(kvcache)
+    assert pool is not None
+    handed: list[int] = []
+    for step in range(6):
+        slots = allocator.alloc(100 + step)
+        assert slots is not None
+        handed.extend(slots.tolist())
+        if step % 2:
+            allocator.free(slots[: len(slots) // 2])
+    pool.maintain()
+    # Both ranks ran the same schedule: their allocators must agree slot for slot.
+    checksum = torch.tensor([sum(i * s for i, s in enumerate(handed))], dtype=torch.int64)
+    peers = [torch.zeros_like(checksum) for _ in range(args.world_size)]
+    torch.distributed.all_gather(peers, checksum, group=parallel_state.get_tp_group().cpu_group)
+    base = counting.bases[0]
+    page0 = [counting.maps[base + offset] for offset, _ in pool.geometry.page_chunks(0)]
+    result = {
+        "rank": pool.ownership.rank,
+        "world_size": pool.ownership.world_size,
+        "mode": pool.ownership.mode,
+        "engine_tp_size": parallel_state.get_tensor_model_parallel_world_size(),
+        "page0_maps": page0,
+        "duplicate_maps": len(counting.duplicates),
+        "mapped_pages": sorted(pool.mapped_pages()),
+        "used_blocks": pool.snapshot().used_blocks,
+        "in_step_with_peers": len({int(p) for p in peers}) == 1,
+        "tree_evictable": int(tree.evictable_size()),
+    }
+    sys.stdout.write(json.dumps(result) + "\n")
+    sys.stdout.flush()
+    pools.forget_pools()
+    torch.distributed.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
