@@ -7,8 +7,8 @@ import pytest
 from kvshare.api import env
 from kvshare.runtime.engines.activation import engine_version
 from kvshare.runtime.engines.pools import Role
-from kvshare.runtime.lease import LeaseSource
 from kvshare.runtime.engines.registry import SupportedLine, find_line
+from kvshare.runtime.lease import LeaseSource
 from tests.runtime.support import MovableLease
 
 

@@ -121,7 +121,9 @@ def _server(engine: str, model: str, kvshare: Path | None, log: Path) -> Iterato
             if process.poll() is not None:
                 pytest.fail(f"{engine} exited ({process.returncode}):\n{log.read_text()[-4000:]}")
             if time.monotonic() > deadline:
-                pytest.fail(f"{engine} not ready in {READY_TIMEOUT_S} s:\n{log.read_text()[-4000:]}")
+                pytest.fail(
+                    f"{engine} not ready in {READY_TIMEOUT_S} s:\n{log.read_text()[-4000:]}"
+                )
             time.sleep(2)
         yield base
     finally:

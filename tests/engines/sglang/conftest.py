@@ -25,4 +25,6 @@ def line() -> SupportedLine:
 
 @pytest.fixture
 def moved_target() -> Target:
-    return Target("sglang.srt.mem_cache.allocator.token", "TokenToKVPoolAllocator.alloc", ("self", "count"))
+    return Target(
+        "sglang.srt.mem_cache.allocator.token", "TokenToKVPoolAllocator.alloc", ("self", "count")
+    )

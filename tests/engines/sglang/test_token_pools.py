@@ -163,7 +163,7 @@ def test_radix_cache_holds_evicts_and_frees_through_the_pool(cache: Cache) -> No
     slots = cache.allocator.alloc(len(tokens))
     assert slots is not None
     insert(cache, tokens, slots)
-    assert matched(cache, tokens + [7, 8]) == len(tokens)
+    assert matched(cache, [*tokens, 7, 8]) == len(tokens)
     assert cache.tree.evictable_size() == len(tokens)
     evictor = sglang_common.evictor_of(cache.tree)
     assert evictor is not None

@@ -170,8 +170,8 @@ def test_a_prefix_hit_reuses_the_cached_blocks(engine: Engine) -> None:
     first_ids = schedule(engine, first)
     assert first_ids is not None
     engine.manager.free(first)
-    second = request(prompt(7, 4) + [1, 2, 3])
-    computed, num_computed, *_ = engine.manager.get_computed_blocks(second)
+    second = request([*prompt(7, 4), 1, 2, 3])
+    _, num_computed, *_ = engine.manager.get_computed_blocks(second)
     assert num_computed == 4 * BLOCK_TOKENS
     ids = schedule(engine, second)
     assert ids is not None

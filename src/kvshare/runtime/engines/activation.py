@@ -101,7 +101,7 @@ class EngineImportHook(importlib.abc.MetaPathFinder):
             find = getattr(finder, "find_spec", None)
             if find is None:
                 continue
-            spec = find(fullname, path, target)
+            spec: importlib.machinery.ModuleSpec | None = find(fullname, path, target)
             if spec is None:
                 continue
             if spec.loader is not None:

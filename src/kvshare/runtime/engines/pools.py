@@ -20,13 +20,14 @@ import logging
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, cast
 
 from kvshare.api import env
 
 if TYPE_CHECKING:
     import torch
 
+    from kvshare.runtime.backends import BackendKind
     from kvshare.runtime.geometry import KVGeometry
     from kvshare.runtime.lease import LeaseSource
     from kvshare.runtime.pool import KVPool
@@ -74,8 +75,9 @@ def device_index(device: torch.device | str) -> int:
     import torch
 
     resolved = torch.device(device)
-    if resolved.index is not None:
-        return resolved.index
+    index = cast("int | None", resolved.index)  # None for an implicit "cuda"
+    if index is not None:
+        return index
     if resolved.type == "cuda":
         return int(torch.cuda.current_device())
     return 0
@@ -114,6 +116,10 @@ def virtual_kv_bytes(device: torch.device | str) -> int:
     return int(total) - static
 
 
+def _backend_kind() -> BackendKind:
+    return cast("BackendKind", env.BACKEND.require())
+
+
 def lease_for(role: Role) -> LeaseSource:
     """The lease of a pool or rank in ``role``: the broker's, or ``KVSHARE_KV_LIMIT``."""
     from kvshare.runtime.leases import lease_from_env
@@ -133,7 +139,7 @@ def open_local_pool(geometry: KVGeometry, device: torch.device | str, role: Role
     from kvshare.runtime.pool import KVPool
 
     index = device_index(device)
-    backend = open_backend(env.BACKEND.require(), index)
+    backend = open_backend(_backend_kind(), index)
     try:
         lease = lease_for(role)
     except BaseException:
@@ -168,7 +174,7 @@ def open_rank(
     from kvshare.runtime.rank_server import RankServer
 
     index = device_index(device)
-    backend = open_backend(env.BACKEND.require(), index)
+    backend = open_backend(_backend_kind(), index)
     try:
         lease = lease_for(role)
     except BaseException:

@@ -28,7 +28,7 @@ import logging
 import threading
 from collections.abc import Callable
 from math import prod
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from kvshare.runtime.engines import pools
 from kvshare.runtime.engines.patching import AnyCallable, Patch, PatchSet, Target
@@ -371,7 +371,7 @@ def sizing_from_pool(original: AnyCallable) -> AnyCallable:
         import torch
 
         device = torch.device(self.device)
-        if device.type == "cuda" and device.index is None:
+        if device.type == "cuda" and cast("int | None", device.index) is None:
             device = torch.device("cuda", self.gpu_id)
         with pools.startup_turn(_rank_role()):
             return pools.virtual_kv_bytes(device)

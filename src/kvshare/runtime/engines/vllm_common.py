@@ -359,9 +359,8 @@ class PooledFreeBlockQueue:
             return []
         with self.lock:
             fresh = min(n, self.pool.available())
-            ids = self.pool.alloc(fresh) if fresh else []
-            if not ids:
-                ids = []
+            granted = self.pool.alloc(fresh) if fresh else []
+            ids = granted if isinstance(granted, list) else []  # Exhausted: none fresh
             blocks = [self.block_pool.blocks[i] for i in ids]
             short = n - len(blocks)
             if short > self.held.num_free_blocks:
@@ -417,7 +416,7 @@ class PooledFreeBlockQueue:
             for block in blocks:
                 self.block_pool._maybe_evict_cached_block(block)
             self.pool.free([block.block_id for block in blocks])
-            return count
+            return int(count)
 
 
 class BlockPoolEvictor:

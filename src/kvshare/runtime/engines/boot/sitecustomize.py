@@ -50,8 +50,7 @@ def _main() -> None:
         _install_kvshare()
     except Exception as exc:
         # site.py would swallow an Exception and start the engine without kvshare.
-        sys.stderr.write(f"kvshare: cannot activate the engine hooks: {exc}\n")
-        raise SystemExit(78) from exc
+        raise SystemExit(f"kvshare: cannot activate the engine hooks: {exc}") from exc
     _chain_next_sitecustomize()
 
 

@@ -1,0 +1,59 @@
+"""The runtime bundle holds sitecustomize and a runtime that imports from the bundle alone."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from kvshare.runtime.engines.bundle import BOOT_DIR, main, write_bundle
+
+
+def test_bundle_holds_sitecustomize_the_runtime_and_the_stdlib_api(tmp_path: Path) -> None:
+    bundle = write_bundle(tmp_path / "bundle")
+    assert (bundle / "sitecustomize.py").read_bytes() == (
+        BOOT_DIR / "sitecustomize.py"
+    ).read_bytes()
+    assert (bundle / "kvshare" / "runtime" / "pool.py").is_file()
+    assert (bundle / "kvshare" / "runtime" / "engines" / "registry.py").is_file()
+    assert (bundle / "kvshare" / "api" / "env.py").is_file()
+    assert not (bundle / "kvshare" / "api" / "modelserver.py").exists()  # pydantic stays out
+    assert not list(bundle.rglob("__pycache__"))
+
+
+def test_bundle_sitecustomize_without_enable_imports_no_runtime(tmp_path: Path) -> None:
+    bundle = write_bundle(tmp_path / "bundle")
+    environ = dict(os.environ, PYTHONPATH=str(bundle), KVSHARE_ENABLE="0")
+    code = (
+        "import sys, kvshare; "
+        "print(kvshare.__file__, 'kvshare.runtime.engines.activation' in sys.modules)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=environ, capture_output=True, text=True, check=True
+    )
+    location, activated = done.stdout.split()
+    assert Path(location).is_relative_to(bundle)
+    assert activated == "False"
+
+
+def test_a_bad_setting_stops_the_process_instead_of_starting_without_kvshare(
+    tmp_path: Path,
+) -> None:
+    bundle = write_bundle(tmp_path / "bundle")
+    environ = dict(os.environ, PYTHONPATH=str(bundle), KVSHARE_ENABLE="1", KVSHARE_LOG_LEVEL="LOUD")
+    done = subprocess.run(
+        [sys.executable, "-c", "print('engine started')"],
+        check=False,
+        env=environ,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode != 0
+    assert "engine started" not in done.stdout
+    assert "kvshare: cannot activate the engine hooks: KVSHARE_LOG_LEVEL='LOUD'" in done.stderr
+
+
+def test_boot_dir_is_printed_for_pip_installs(capsys: object) -> None:
+    assert main(["--boot-dir"]) == 0
+    assert capsys.readouterr().out.strip() == str(BOOT_DIR)  # type: ignore[attr-defined]
