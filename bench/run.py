@@ -7,14 +7,21 @@ Exit status 1 when a measured value misses its target.
 
 from __future__ import annotations
 
+import os
+import sys
+
+# `python bench/run.py` puts bench/ first on sys.path, where bench/operator.py would shadow
+# Python's own `operator` module. Benchmarks are loaded by path; bench/ goes last.
+if sys.path and os.path.realpath(sys.path[0]) == os.path.dirname(os.path.realpath(__file__)):
+    sys.path.pop(0)
+
 import argparse
 import importlib.util
 import json
-import sys
 from pathlib import Path
 from types import ModuleType
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.append(str(Path(__file__).resolve().parent))
 
 from harness import Result, machine, today
 from report import write_report

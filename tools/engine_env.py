@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvshare.runtime.engines.registry import SUPPORTED, SupportedLine
+from kvshare.api.engines import SUPPORTED, SupportedLine
 
 ROOT = Path(__file__).resolve().parents[1]
 ENGINES_DIR = ROOT / ".engines"

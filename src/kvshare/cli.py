@@ -20,6 +20,10 @@ from kvshare.api import env
 #: name -> (module implementing it, one-line help). Order is the order `--help` shows.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "crds": ("kvshare.api.crds_cli", "print the CustomResourceDefinitions as YAML"),
+    "operator": (
+        "kvshare.operator.cli",
+        "run the operator: place ModelServers onto shared GPUs and run their pods",
+    ),
     "version": ("kvshare.version_cli", "print the kvshare version"),
 }
 

@@ -6,8 +6,15 @@ from typing import Any
 
 import pytest
 
+from kvshare.api.engines import is_supported
 from kvshare.api.kube import SpecError, validate
-from kvshare.api.modelserver import ModelServerSpec
+from kvshare.api.modelserver import (
+    ENGINE_COMMAND_LINES,
+    ENGINE_MANAGED_FLAGS,
+    EngineVersionError,
+    ModelServerSpec,
+    image_tag_version,
+)
 
 GIB = 2**30
 
@@ -107,3 +114,47 @@ def test_resources_may_not_name_gpus() -> None:
 def test_field_rules_are_explained(override: dict[str, Any], expected: str) -> None:
     (found,) = problems(spec(**override))
     assert found.startswith(expected)
+
+
+@pytest.mark.parametrize(
+    ("image", "version"),
+    [
+        ("vllm/vllm-openai:v0.33.0", "0.33.0"),
+        ("lmsysorg/sglang:v0.5.23-cu126", "0.5.23"),
+        ("lmsysorg/sglang:0.5.23.post1", "0.5.23.post1"),
+        ("registry:5000/team/vllm", None),
+        ("vllm/vllm-openai@sha256:0123abcd", None),
+        ("vllm/vllm-openai:latest", None),
+    ],
+)
+def test_engine_version_is_read_from_the_image_tag(image: str, version: str | None) -> None:
+    assert image_tag_version(image) == version
+
+
+def test_supported_versions_match_by_whole_components() -> None:
+    assert is_supported("vllm", "0.33.4")
+    assert is_supported("vllm", "0.30.0")
+    assert not is_supported("vllm", "0.331.0")
+    assert is_supported("sglang", "0.5.23.post1")
+    assert not is_supported("sglang", "0.5.2")
+    assert not is_supported("sglang", "0.5.21")
+
+
+def test_unknown_or_unsupported_versions_say_what_to_set() -> None:
+    parsed = validate(ModelServerSpec, spec(image="vllm/vllm-openai:latest"))
+    with pytest.raises(
+        EngineVersionError, match=r"set spec.engineVersion \(supported: 0.33.x, 0.30.x\)"
+    ):
+        parsed.engine_version_resolved()
+    parsed = validate(ModelServerSpec, spec(image="vllm/vllm-openai:v0.20.1"))
+    with pytest.raises(EngineVersionError, match=r"vllm 0\.20\.1 is not supported"):
+        parsed.engine_version_resolved()
+    parsed = validate(ModelServerSpec, spec(image="my/vllm:latest", engineVersion="0.33.2"))
+    assert parsed.engine_version_resolved() == "0.33.2"
+
+
+def test_managed_flags_come_from_the_engine_command_lines() -> None:
+    for engine, command in ENGINE_COMMAND_LINES.items():
+        assert set(ENGINE_MANAGED_FLAGS[engine]) == set(command.managed_flags())
+        argv = command.argv(model="m", port=1, tensor_parallel_size=1)[len(command.program) :]
+        assert {a for a in argv if a.startswith("-")} <= set(command.managed_flags())

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from kvshare.api import env
+from kvshare.api.engines import SUPPORTED, SupportedLine, supported_labels
 from kvshare.runtime.engines.bundle import BOOT_DIR, write_bundle
-from kvshare.runtime.engines.registry import SUPPORTED, SupportedLine, supported_labels
 
 CHILD_TIMEOUT_S = 300
 

@@ -12,9 +12,9 @@ import inspect
 
 import pytest
 
+from kvshare.api.engines import SupportedLine
 from kvshare.runtime.engines.activation import activate, engine_version
 from kvshare.runtime.engines.patching import Patch, PatchSet, PatchTargetError, Target, is_patched
-from kvshare.runtime.engines.registry import SupportedLine
 
 
 def patch_set(line: SupportedLine) -> PatchSet:

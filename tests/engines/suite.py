@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from kvshare.api import env
+from kvshare.api.engines import SupportedLine, find_line
 from kvshare.runtime.engines.activation import engine_version
 from kvshare.runtime.engines.pools import Role
-from kvshare.runtime.engines.registry import SupportedLine, find_line
 from kvshare.runtime.lease import LeaseSource
 from tests.runtime.support import MovableLease
 

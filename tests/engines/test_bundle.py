@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
-from kvshare.runtime.engines.bundle import BOOT_DIR, main, write_bundle
+from kvshare.runtime.engines.bundle import API_MODULES, BOOT_DIR, main, write_bundle
 
 
 def test_bundle_holds_sitecustomize_the_runtime_and_the_stdlib_api(tmp_path: Path) -> None:
@@ -57,3 +58,13 @@ def test_a_bad_setting_stops_the_process_instead_of_starting_without_kvshare(
 def test_boot_dir_is_printed_for_pip_installs(capsys: object) -> None:
     assert main(["--boot-dir"]) == 0
     assert capsys.readouterr().out.strip() == str(BOOT_DIR)  # type: ignore[attr-defined]
+
+
+def test_every_api_module_the_runtime_imports_is_in_the_bundle() -> None:
+    runtime = Path(__file__).resolve().parents[2] / "src" / "kvshare" / "runtime"
+    pattern = re.compile(r"from kvshare\.api(?:\.(\w+))? import (\w+)")
+    needed = set()
+    for path in runtime.rglob("*.py"):
+        for module, name in pattern.findall(path.read_text(encoding="utf-8")):
+            needed.add(f"{module or name}.py")
+    assert needed <= set(API_MODULES), sorted(needed - set(API_MODULES))

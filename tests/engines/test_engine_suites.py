@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from tools import engine_env
 
-from kvshare.runtime.engines.registry import SUPPORTED, SupportedLine
+from kvshare.api.engines import SUPPORTED, SupportedLine
 from tests.engines.conftest import SUITE_VARIABLE
 
 ROOT = Path(__file__).resolve().parents[2]

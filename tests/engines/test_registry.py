@@ -8,13 +8,13 @@ from pathlib import Path
 import pytest
 from tools import engine_env
 
-from kvshare.runtime.engines import docs
-from kvshare.runtime.engines.registry import (
+from kvshare.api.engines import (
     SUPPORTED,
     UnsupportedEngineVersionError,
     find_line,
     parse_release,
 )
+from kvshare.runtime.engines import docs
 
 ROOT = Path(__file__).resolve().parents[2]
 

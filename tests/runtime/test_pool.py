@@ -3,6 +3,10 @@ and a lease it never grows beyond."""
 
 from __future__ import annotations
 
+import random
+import threading
+import time
+
 import pytest
 import torch
 
@@ -223,3 +227,52 @@ def test_close_gives_everything_back_and_is_idempotent() -> None:
 def test_a_lease_below_one_page_is_a_clear_start_up_error() -> None:
     with pytest.raises(PoolError, match="does not cover one page"):
         KVPool(GEOMETRY, HostBackend(), StaticLease(PAGE_BYTES - 1), lease_timeout_s=0.1)
+
+
+def test_threads_allocating_freeing_and_moving_the_lease_never_share_a_block(
+    make_pool: PoolFactory,
+) -> None:
+    lease = MovableLease(8 * PAGE_BYTES, grant_up_to=12 * PAGE_BYTES)
+    pool = make_pool(GEOMETRY, lease=lease, reserve_pages=2, background=True)
+    owners: dict[int, int] = {}
+    owners_lock = threading.Lock()
+    failures: list[BaseException] = []
+    stop = threading.Event()
+    ops = [0] * 4
+
+    def engine_thread(seed: int) -> None:
+        rng = random.Random(seed)
+        mine: list[list[int]] = []
+        try:
+            while not stop.is_set():
+                ops[seed] += 1
+                if mine and rng.random() < 0.5:
+                    ids = mine.pop(rng.randrange(len(mine)))
+                    with owners_lock:
+                        for block in ids:
+                            assert owners.pop(block) == seed
+                    pool.free(ids)
+                elif ids := pool.alloc(rng.randint(1, 12)):
+                    with owners_lock:
+                        for block in ids:
+                            assert block not in owners, f"block {block} handed out twice"
+                            owners[block] = seed
+                    mine.append(ids)
+        except BaseException as exc:
+            failures.append(exc)
+
+    threads = [threading.Thread(target=engine_thread, args=(seed,)) for seed in range(4)]
+    for thread in threads:
+        thread.start()
+    for step in range(40):
+        lease.set_limit((3 + step % 9) * PAGE_BYTES)
+        time.sleep(0.005)
+    stop.set()
+    for thread in threads:
+        thread.join()
+    assert not failures, failures
+    assert min(ops) > 100
+    pool.maintain()
+    snap = pool.snapshot()
+    assert snap.used_blocks == len(owners)
+    assert sum(host(pool).mapped_ranges().values()) == snap.mapped

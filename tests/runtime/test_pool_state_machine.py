@@ -127,5 +127,5 @@ class PoolMachine(RuleBasedStateMachine):
             assert torch.all(self.view[:, block, :8] == self._mark(block))
 
 
-PoolMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+PoolMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
 TestPoolStateMachine = PoolMachine.TestCase

@@ -17,7 +17,7 @@ from kvshare.api.quantity import QuantityError, parse_bytes
 
 T_co = TypeVar("T_co", covariant=True)
 
-Audience = Literal["runtime", "node", "all"]
+Audience = Literal["runtime", "node", "operator", "all"]
 
 
 class EnvError(ValueError):
@@ -202,6 +202,14 @@ GPU_UUIDS = EnvVar(
     _text,
     "runtime",
 )
+IMAGE = EnvVar(
+    "KVSHARE_IMAGE",
+    None,
+    "kvshare image whose runtime bundle the operator copies into model-server pods "
+    "(its init container); the operator's --image flag overrides it",
+    _text,
+    "operator",
+)
 LOG_LEVEL = EnvVar(
     "KVSHARE_LOG_LEVEL",
     "INFO",
@@ -229,6 +237,7 @@ ALL: tuple[EnvVar[object], ...] = (
     POD_UID,
     MODELSERVER,
     GPU_UUIDS,
+    IMAGE,
     LOG_LEVEL,
 )
 

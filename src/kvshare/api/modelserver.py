@@ -9,10 +9,14 @@ places its replicas onto GPUs (see :mod:`kvshare.api.placement`) and reports bac
 
 from __future__ import annotations
 
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Annotated, Literal
 
 from pydantic import Field, StringConstraints, model_validator
 
+from kvshare.api.engines import is_supported, supported_labels
 from kvshare.api.kube import (
     ByteQuantity,
     CelRule,
@@ -27,43 +31,121 @@ from kvshare.api.names import GPU_MEMORY_UNIT_BYTES, GROUP
 from kvshare.api.quantity import format_bytes
 
 __all__ = [
+    "ENGINE_COMMAND_LINES",
     "ENGINE_MANAGED_FLAGS",
     "Engine",
+    "EngineCommandLine",
+    "EngineVersionError",
     "KVCacheSpec",
     "KVUsage",
     "ModelServerSpec",
     "ModelServerStatus",
     "Phase",
     "ReplicaPlacement",
+    "image_tag_version",
 ]
 
 Engine = Literal["vllm", "sglang"]
 Phase = Literal["Pending", "Unschedulable", "Starting", "Ready", "Degraded"]
 DType = Literal["bfloat16", "float16", "float32", "fp8"]
 
-#: Engine command-line flags kvshare sets itself; users may not pass them in engineArgs.
-ENGINE_MANAGED_FLAGS: dict[str, tuple[str, ...]] = {
-    "vllm": (
-        "--model",
-        "--port",
-        "--host",
-        "--tensor-parallel-size",
-        "-tp",
-        "--gpu-memory-utilization",
-        "--kv-cache-memory",
-        "--num-gpu-blocks-override",
+
+@dataclass(frozen=True)
+class EngineCommandLine:
+    """How one engine is started, and which of its flags kvshare owns.
+
+    The operator builds the engine's command line from this table, and the CRD refuses
+    engine arguments that name any of :meth:`managed_flags`: the ones kvshare sets itself
+    (model, host, port, tensor parallelism) and the ones the kvshare runtime *replaces*
+    (the static GPU-memory fraction and KV-cache sizing, which come from the lease).
+    """
+
+    program: tuple[str, ...]
+    """The command that starts the server (the image's entrypoint is replaced)."""
+    model: str | None
+    """Flag naming the model, or ``None`` when the model is the first positional argument."""
+    host: str
+    port: str
+    tensor_parallel_size: str
+    aliases: tuple[str, ...]
+    """Other spellings of the flags above, refused in engineArgs as well."""
+    replaced: tuple[str, ...]
+    """Memory-sizing flags the kvshare runtime replaces; never passed to the engine."""
+
+    def managed_flags(self) -> tuple[str, ...]:
+        """Every flag users may not pass in engineArgs."""
+        own = (self.model,) if self.model else ()
+        return (
+            *own,
+            self.port,
+            self.host,
+            self.tensor_parallel_size,
+            *self.aliases,
+            *self.replaced,
+        )
+
+    def argv(
+        self, *, model: str, port: int, tensor_parallel_size: int, extra: Sequence[str] = ()
+    ) -> list[str]:
+        """The full command line: program, kvshare's flags, then ``extra`` unchanged."""
+        head = [self.model, model] if self.model else [model]
+        return [
+            *self.program,
+            *head,
+            self.host,
+            "0.0.0.0",
+            self.port,
+            str(port),
+            self.tensor_parallel_size,
+            str(tensor_parallel_size),
+            *extra,
+        ]
+
+
+#: The command line of each engine: the one source for the operator and the CRD rules.
+ENGINE_COMMAND_LINES: dict[str, EngineCommandLine] = {
+    "vllm": EngineCommandLine(
+        program=("vllm", "serve"),
+        model=None,
+        host="--host",
+        port="--port",
+        tensor_parallel_size="--tensor-parallel-size",
+        aliases=("--model", "-tp"),
+        replaced=("--gpu-memory-utilization", "--kv-cache-memory", "--num-gpu-blocks-override"),
     ),
-    "sglang": (
-        "--model-path",
-        "--model",
-        "--port",
-        "--host",
-        "--tp-size",
-        "--tp",
-        "--mem-fraction-static",
-        "--max-total-tokens",
+    "sglang": EngineCommandLine(
+        program=("python3", "-m", "sglang.launch_server"),
+        model="--model-path",
+        host="--host",
+        port="--port",
+        tensor_parallel_size="--tp-size",
+        aliases=("--model", "--tp"),
+        replaced=("--mem-fraction-static", "--max-total-tokens"),
     ),
 }
+
+#: Engine command-line flags kvshare manages; users may not pass them in engineArgs.
+ENGINE_MANAGED_FLAGS: dict[str, tuple[str, ...]] = {
+    engine: command.managed_flags() for engine, command in ENGINE_COMMAND_LINES.items()
+}
+
+_VERSION_IN_TAG = re.compile(r"^v?([0-9]+\.[0-9]+(?:\.[0-9]+)?(?:\.post[0-9]+)?)(?:[-+_].*)?$")
+
+
+class EngineVersionError(ValueError):
+    """The engine version is unknown or not supported; the message says what to do."""
+
+
+def image_tag_version(image: str) -> str | None:
+    """The version in an image tag (``vllm/vllm-openai:v0.33.0`` -> ``0.33.0``), if any."""
+    reference = image.split("@", 1)[0]
+    name, _, tag = reference.rpartition(":")
+    if not name or "/" in tag:  # no tag; the colon belonged to a registry port
+        return None
+    match = _VERSION_IN_TAG.match(tag)
+    return match.group(1) if match else None
+
+
 _ALL_MANAGED_FLAGS = tuple(sorted({f for flags in ENGINE_MANAGED_FLAGS.values() for f in flags}))
 
 _BYTES_PER_PARAMETER: dict[str, float] = {
@@ -248,6 +330,27 @@ class ModelServerSpec(KubeModel):
         estimate = int(weights * _STATIC_OVERHEAD_FACTOR) + _STATIC_OVERHEAD_BYTES
         # Round up to whole MiB so the estimate prints as a clean quantity.
         return -(-estimate // 2**20) * 2**20
+
+    def engine_version_resolved(self) -> str:
+        """The engine version: ``engineVersion``, else the image tag's, if supported.
+
+        Raises :class:`EngineVersionError` saying what to set when the version is unknown
+        or not one kvshare's runtime hooks support.
+        """
+        version = self.engine_version or image_tag_version(self.image)
+        supported = supported_labels(self.engine)
+        if version is None:
+            raise EngineVersionError(
+                f"cannot tell the {self.engine} version from image {self.image}: set "
+                f"spec.engineVersion (supported: {supported})"
+            )
+        if not is_supported(self.engine, version):
+            raise EngineVersionError(
+                f"{self.engine} {version} is not supported by this kvshare version "
+                f"(supported: {supported}); use a supported image, or set "
+                "spec.engineVersion if the image tag does not name the engine version"
+            )
+        return version
 
     def gpu_memory_units_per_replica(self) -> int:
         """Units of ``kvshare.io/gpu-memory`` (GiB, rounded up) one replica requests."""

@@ -61,6 +61,19 @@ KUBELET_SOCKET_NAME: Final = "kubelet.sock"
 #: Port of the node agent's Prometheus endpoint.
 METRICS_PORT: Final = 9400
 
+# --- operator ----------------------------------------------------------------------
+#: Name of the ClusterKopfPeering (or KopfPeering) object operator replicas elect through.
+PEERING_NAME: Final = "kvshare"
+#: Port of the operator's Prometheus endpoint (/metrics) and health probe (/healthz).
+OPERATOR_METRICS_PORT: Final = 8080
+#: Port the operator serves its admission webhook on, when enabled.
+WEBHOOK_PORT: Final = 9443
+#: URL path of the runtime-injection webhook (``https://<service>/inject``).
+WEBHOOK_INJECT_PATH: Final = "/inject"
+#: Files of the webhook's serving certificate inside ``--webhook-cert-dir``.
+WEBHOOK_CERT_FILE: Final = "tls.crt"
+WEBHOOK_KEY_FILE: Final = "tls.key"
+
 # --- injected runtime -----------------------------------------------------------
 #: Where the image keeps the runtime bundle and where pods mount the copy of it.
 RUNTIME_BUNDLE_DIR: Final = "/opt/kvshare/runtime"

@@ -689,7 +689,9 @@ class KVPool:
                 return
             self._set_limit(self.lease.limit())
             changed = self._rebalance()
-            if self._held_pages > self._limit_pages and self._evict_for_lease():
+            # The engine evicts in its own (LRU) order, which need not empty whole pages:
+            # keep asking while that makes progress and the pool is still over its lease.
+            while self._held_pages > self._limit_pages and self._evict_for_lease():
                 changed = self._rebalance() or changed  # unmap what the eviction emptied
             with self._lock:
                 desired = self._mapped_pages - len(self._ready) + self._reserve_pages

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from kvshare.api.engines import SupportedLine
 from kvshare.runtime.engines.patching import Target
-from kvshare.runtime.engines.registry import SupportedLine
 from tests.engines.suite import installed_line, mark_engines
 
 

@@ -10,14 +10,16 @@ corrupted process.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
-from kvshare.runtime.errors import AddressOutOfRangeError, AlreadyMappedError
+from kvshare.runtime.errors import AddressOutOfRangeError, AlreadyMappedError, BackendError
 
 if TYPE_CHECKING:
     import torch
 
 __all__ = ["Backend", "Reservations"]
+
+T = TypeVar("T")
 
 
 class Backend(ABC):
@@ -87,6 +89,23 @@ class Reservations:
         self.ranges: dict[int, int] = {}  # base address -> size
         self.mapped: dict[int, tuple[int, int]] = {}  # address -> (size, handle)
         self.mapped_handles: set[int] = set()
+
+    def check_size(self, size: int, what: str) -> None:
+        """Raise :class:`AddressOutOfRangeError` unless ``size`` is a positive multiple of the
+        granularity (``what``: "page size", "reservation size")."""
+        if size <= 0 or size % self.granularity:
+            raise AddressOutOfRangeError(
+                f"{what} {size} is not a positive multiple of {self.granularity}"
+            )
+
+    def check_releasable(self, handle: int, entry: T | None) -> T:
+        """``entry`` (what the backend knows of page ``handle``), after checking the page is
+        live (``entry`` is not ``None``) and not mapped; else :class:`BackendError`."""
+        if entry is None:
+            raise BackendError(f"page {handle} is not a live page of this backend")
+        if handle in self.mapped_handles:
+            raise BackendError(f"page {handle} is still mapped; unmap it before release")
+        return entry
 
     def check(self, address: int, size: int) -> None:
         """Raise :class:`AddressOutOfRangeError` unless the range is aligned and inside one

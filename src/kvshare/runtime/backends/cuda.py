@@ -22,7 +22,6 @@ from kvshare.runtime.backends.base import Backend, Reservations
 from kvshare.runtime.backends.cuda_driver import CudaDriver, CudaError
 from kvshare.runtime.backends.dlpack import DEVICE_CUDA, tensor_from_address
 from kvshare.runtime.errors import (
-    AddressOutOfRangeError,
     BackendError,
     BackendUnavailableError,
     OutOfDeviceMemoryError,
@@ -81,10 +80,7 @@ class CudaBackend(Backend):
     # --- reservations --------------------------------------------------------------------
 
     def reserve(self, size: int) -> int:
-        if size <= 0 or size % self._granularity:
-            raise AddressOutOfRangeError(
-                f"reservation size {size} is not a positive multiple of {self._granularity}"
-            )
+        self._book.check_size(size, "reservation size")
         with self._lock, self._on_device():
             self._check_open()
             address = self._driver.mem_address_reserve(size, self._granularity)
@@ -101,10 +97,7 @@ class CudaBackend(Backend):
     # --- physical pages -------------------------------------------------------------------
 
     def create(self, size: int) -> int:
-        if size <= 0 or size % self._granularity:
-            raise AddressOutOfRangeError(
-                f"page size {size} is not a positive multiple of {self._granularity}"
-            )
+        self._book.check_size(size, "page size")
         with self._lock, self._on_device():
             self._check_open()
             try:
@@ -121,11 +114,7 @@ class CudaBackend(Backend):
 
     def release(self, handle: int) -> None:
         with self._lock:
-            entry = self._handles.get(handle)
-            if entry is None:
-                raise BackendError(f"page {handle} is not a live page of this backend")
-            if handle in self._book.mapped_handles:
-                raise BackendError(f"page {handle} is still mapped; unmap it before release")
+            entry = self._book.check_releasable(handle, self._handles.get(handle))
             with self._on_device():
                 self._driver.mem_release(entry[0])
             del self._handles[handle]

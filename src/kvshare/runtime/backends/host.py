@@ -25,7 +25,6 @@ from typing import TYPE_CHECKING
 from kvshare.runtime.backends import libc
 from kvshare.runtime.backends.base import Backend, Reservations
 from kvshare.runtime.errors import (
-    AddressOutOfRangeError,
     BackendError,
     MapCountExceededError,
     OutOfDeviceMemoryError,
@@ -88,10 +87,7 @@ class HostBackend(Backend):
     # --- reservations --------------------------------------------------------------
 
     def reserve(self, size: int) -> int:
-        if size <= 0 or size % self._granularity:
-            raise AddressOutOfRangeError(
-                f"reservation size {size} is not a positive multiple of {self._granularity}"
-            )
+        self._book.check_size(size, "reservation size")
         flags = libc.MAP_PRIVATE | libc.MAP_ANONYMOUS | libc.MAP_NORESERVE
         with self._lock:
             self._check_open()
@@ -114,10 +110,7 @@ class HostBackend(Backend):
     # --- physical pages --------------------------------------------------------------
 
     def create(self, size: int) -> int:
-        if size <= 0 or size % self._granularity:
-            raise AddressOutOfRangeError(
-                f"page size {size} is not a positive multiple of {self._granularity}"
-            )
+        self._book.check_size(size, "page size")
         with self._lock:
             self._check_open()
             free = self._free_offsets.get(size)
@@ -143,11 +136,7 @@ class HostBackend(Backend):
 
     def release(self, handle: int) -> None:
         with self._lock:
-            size = self._created.get(handle)
-            if size is None:
-                raise BackendError(f"page {handle} is not a live page of this backend")
-            if handle in self._book.mapped_handles:
-                raise BackendError(f"page {handle} is still mapped; unmap it before release")
+            size = self._book.check_releasable(handle, self._created.get(handle))
             mode = libc.FALLOC_FL_PUNCH_HOLE | libc.FALLOC_FL_KEEP_SIZE
             libc.fallocate(self._fd, mode, handle, size)
             del self._created[handle]

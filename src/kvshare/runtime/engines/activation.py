@@ -24,7 +24,8 @@ from types import ModuleType
 from typing import Any
 
 from kvshare.api import env
-from kvshare.runtime.engines.registry import ENGINES, SupportedLine, find_line
+from kvshare.api.engines import ENGINES, SupportedLine
+from kvshare.runtime.engines.registry import patches_for
 
 log = logging.getLogger(__name__)
 
@@ -48,9 +49,8 @@ def engine_version(engine: str, module: ModuleType | None = None) -> str:
 def activate(engine: str, module: ModuleType | None = None) -> SupportedLine:
     """Patch ``engine`` (already imported) for its installed version; idempotent."""
     version = engine_version(engine, module)
-    line = find_line(engine, version)
-    patches = importlib.import_module(f"kvshare.runtime.engines.{line.patch_module}")
-    patches.PATCHES.apply(version)
+    line, patches = patches_for(engine, version)
+    patches.apply(version)
     with _lock:
         _activated[engine] = line
     return line

@@ -21,7 +21,7 @@ __all__ = ["API_MODULES", "BOOT_DIR", "write_bundle"]
 BOOT_DIR = Path(__file__).resolve().parent / "boot"
 _PACKAGE = Path(__file__).resolve().parents[2]
 #: The ``kvshare.api`` modules the runtime imports; all of them stdlib-only.
-API_MODULES = ("__init__.py", "names.py", "env.py", "quantity.py", "wire.py")
+API_MODULES = ("__init__.py", "names.py", "env.py", "quantity.py", "wire.py", "engines.py")
 
 
 def _ignore(directory: str, names: list[str]) -> set[str]:

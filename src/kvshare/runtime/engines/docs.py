@@ -6,25 +6,15 @@ patches are applied), so ``make docs`` runs anywhere.
 
 from __future__ import annotations
 
-import importlib
-
-from kvshare.runtime.engines.patching import PatchSet
-from kvshare.runtime.engines.registry import SUPPORTED, SupportedLine
+from kvshare.api.engines import SUPPORTED, markdown_table
+from kvshare.runtime.engines.registry import patch_set
 
 __all__ = ["patch_table", "support_table"]
 
 
 def support_table() -> str:
     """Supported engine lines: versions, tested release, TP ownership, patch module."""
-    from kvshare.runtime.engines.registry import markdown_table
-
     return markdown_table()
-
-
-def _patches(line: SupportedLine) -> PatchSet:
-    module = importlib.import_module(f"kvshare.runtime.engines.{line.patch_module}")
-    patches: PatchSet = module.PATCHES
-    return patches
 
 
 def patch_table() -> str:
@@ -32,7 +22,7 @@ def patch_table() -> str:
     rows = ["| engine | target | change | lines |", "|---|---|---|---|"]
     seen: dict[tuple[str, str], tuple[str, list[str]]] = {}
     for line in SUPPORTED:
-        for patch in _patches(line).patches:
+        for patch in patch_set(line).patches:
             key = (line.engine, str(patch.target))
             why, lines = seen.setdefault(key, (patch.why, []))
             lines.append(line.label)

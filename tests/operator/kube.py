@@ -1,0 +1,229 @@
+"""A Kubernetes API for the operator's tests: kmock's emulator with what kopf relies on.
+
+kmock (by kopf's author) serves the Kubernetes API over real HTTP from memory. Its
+emulator is extended here the way kmock documents, by subclassing, and only through
+its public surface (``_handle`` is the request hook subclasses override; ``resources``
+and ``objects`` are the public stores):
+
+- server-set metadata on create: ``uid``, ``resourceVersion``, ``generation``,
+  ``creationTimestamp``, the namespace from the URL, and ``generateName``;
+- on patch: a new ``resourceVersion``, ``generation`` bumped when anything but metadata
+  and status changed, the status subresource split (``/status`` changes only status,
+  the main resource never changes it), and 422 for a failed JSON-patch ``test``;
+- 201 for a create (kmock answers 200);
+- a constant-time request match: kmock checks each request against its whole request
+  history once per registered reaction; this emulator shows reactions only the requests
+  in flight, so every request costs the same however long a test runs. Reactions that
+  filter requests work as before; history-based views (slices, counts) see only
+  requests in flight, and the tests use :attr:`KubeCluster.api_calls` instead.
+
+What kmock does not do and no test here relies on: label/field selectors, watch
+resumption, garbage collection (owned objects stay when their owner goes; the tests
+check owner references, ``tests/e2e`` the real deletion), graceful pod termination.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import itertools
+import secrets
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp.web
+import attrs
+import jsonpatch
+import kmock
+
+from kvshare.api.crds import all_crds
+
+__all__ = ["ApiCall", "KubeCluster", "declare_resources"]
+
+#: What the real API server answers each write with.
+_CREATED = 201
+
+
+@dataclass(frozen=True)
+class ApiCall:
+    """One request to the API: who made it and what it touched."""
+
+    verb: str
+    group: str
+    resource: str
+    """Plural, with ``/subresource`` when one was addressed."""
+    namespace: str | None
+    name: str | None
+    user_agent: str
+    at: float
+    """When it arrived (``time.monotonic()``)."""
+
+
+_VERBS = {
+    kmock.action.LIST: "list",
+    kmock.action.WATCH: "watch",
+    kmock.action.FETCH: "get",
+    kmock.action.CREATE: "create",
+    kmock.action.UPDATE: "patch",
+    kmock.action.DELETE: "delete",
+}
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _merge(base: Any, patch: Any) -> Any:
+    """RFC 7386 JSON merge patch (``None`` removes a key)."""
+    if not isinstance(patch, dict):
+        return copy.deepcopy(patch)
+    result = dict(base) if isinstance(base, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            result.pop(key, None)
+        else:
+            result[key] = _merge(result.get(key), value)
+    return result
+
+
+def _generation_fields(obj: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in obj.items() if k not in ("metadata", "status")}
+
+
+@attrs.define(kw_only=True)
+class KubeCluster(kmock.KubernetesEmulator):
+    """kmock's Kubernetes emulator with server-set metadata and API-server answers."""
+
+    api_calls: list[ApiCall] = attrs.field(factory=list, init=False)
+    _in_flight: list[kmock.Request] = attrs.field(factory=list, init=False)
+    _versions: itertools.count[int] = attrs.field(factory=lambda: itertools.count(1), init=False)
+
+    def __iter__(self) -> Any:
+        # The requests reactions are matched against: only those being served.
+        return iter(list(self._in_flight))
+
+    async def _handle(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
+        self._in_flight.append(request)
+        try:
+            if request.resource is not None and request.action is not None:
+                if request.action == kmock.action.CREATE:
+                    self._stamp_create(request)
+                self._record(request)
+                if request.action == kmock.action.UPDATE and request.name:
+                    self._stamp_patch(request)
+            response = await super()._handle(request)
+            if request.action == kmock.action.CREATE and response.status == 200:
+                response.set_status(_CREATED)
+            return response
+        finally:
+            self._in_flight.remove(request)
+
+    def _record(self, request: kmock.Request) -> None:
+        assert request.resource is not None and request.action is not None
+        plural = request.resource.plural or ""
+        body = request.data if isinstance(request.data, dict) else {}
+        self.api_calls.append(
+            ApiCall(
+                verb=_VERBS[request.action],
+                group=request.resource.group or "",
+                resource=f"{plural}/{request.subresource}" if request.subresource else plural,
+                namespace=request.namespace,
+                name=request.name or (body.get("metadata") or {}).get("name"),
+                user_agent=request.headers.get("User-Agent", ""),
+                at=time.monotonic(),
+            )
+        )
+
+    def _stamp_create(self, request: kmock.Request) -> None:
+        data = request.data
+        if not isinstance(data, dict):
+            return
+        meta = data.setdefault("metadata", {})
+        if not meta.get("name") and meta.get("generateName"):
+            meta["name"] = meta["generateName"] + secrets.token_hex(3)
+        if request.namespace:
+            meta.setdefault("namespace", request.namespace)
+        meta["uid"] = str(uuid.uuid4())
+        meta["resourceVersion"] = str(next(self._versions))
+        meta["generation"] = 1
+        meta["creationTimestamp"] = _now()
+
+    def _stamp_patch(self, request: kmock.Request) -> None:
+        key = (request.resource, request.namespace, request.name)
+        if key not in self.objects or self.objects[key].deleted:
+            return  # kmock answers 404
+        current = self.objects[key].raw
+        data = request.data
+        with_status = (
+            request.resource in self.resources
+            and "status" in self.resources[request.resource].subresources
+        )
+        if isinstance(data, dict) and with_status:
+            kept = {"status"} if request.subresource == "status" else set(data) - {"status"}
+            for field in set(data) - kept:
+                del data[field]
+        try:
+            if isinstance(data, list):
+                patched = jsonpatch.apply_patch(current, data, in_place=False)
+            else:
+                patched = _merge(current, data)
+        except (jsonpatch.JsonPatchException, jsonpatch.JsonPointerException) as exc:
+            raise kmock.KubernetesError(status=422, reason="Invalid", message=str(exc)) from None
+        stamps = {"resourceVersion": str(next(self._versions))}
+        if _generation_fields(patched) != _generation_fields(current):
+            stamps["generation"] = int(current.get("metadata", {}).get("generation") or 1) + 1
+        if isinstance(data, list):
+            data.extend(
+                {"op": "add", "path": f"/metadata/{field}", "value": value}
+                for field, value in stamps.items()
+            )
+        elif isinstance(data, dict):
+            meta = data.get("metadata") if isinstance(data.get("metadata"), dict) else {}
+            data["metadata"] = {**meta, **stamps}
+
+
+def declare_resources(cluster: KubeCluster) -> None:
+    """Every resource the operator touches, as a real API server would list them.
+
+    The kvshare resources come from the generated CRDs, which are also stored as objects.
+    """
+    core = {
+        "pods": ("Pod", True, {"status"}),
+        "services": ("Service", True, {"status"}),
+        "events": ("Event", True, set()),
+        "nodes": ("Node", False, {"status"}),
+        "namespaces": ("Namespace", False, {"status"}),
+    }
+    verbs = {"get", "list", "watch", "create", "patch", "update", "delete"}
+    for plural, (kind, namespaced, subresources) in core.items():
+        cluster.resources[f"v1/{plural}"] = kmock.ResourceInfo(
+            kind=kind, namespaced=namespaced, subresources=subresources, verbs=verbs
+        )
+    cluster.resources["apiextensions.k8s.io/v1/customresourcedefinitions"] = kmock.ResourceInfo(
+        kind="CustomResourceDefinition", namespaced=False, verbs=verbs
+    )
+    cluster.resources["kopf.dev/v1/clusterkopfpeerings"] = kmock.ResourceInfo(
+        kind="ClusterKopfPeering", namespaced=False, verbs=verbs, subresources=set()
+    )
+    for crd in all_crds():
+        spec = crd["spec"]
+        version = spec["versions"][0]
+        cluster.resources[f"{spec['group']}/{version['name']}/{spec['names']['plural']}"] = (
+            kmock.ResourceInfo(
+                kind=spec["names"]["kind"],
+                singular=spec["names"]["singular"],
+                namespaced=spec["scope"] == "Namespaced",
+                shortnames=set(spec["names"].get("shortNames", [])),
+                categories=set(spec["names"].get("categories", [])),
+                subresources=set(version.get("subresources", {})),
+                verbs=verbs,
+            )
+        )
+        cluster.objects[
+            "apiextensions.k8s.io/v1/customresourcedefinitions", None, crd["metadata"]["name"]
+        ] = {
+            **crd,
+            "metadata": {**crd["metadata"], "uid": str(uuid.uuid4()), "resourceVersion": "1"},
+        }
