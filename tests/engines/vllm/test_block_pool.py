@@ -23,12 +23,15 @@ from kvshare.runtime.engines.activation import activate
 from kvshare.runtime.pool import KVPool
 from kvshare.runtime.rank_server import RankServer
 from tests.engines.suite import movable_lease
+from tests.engines.vllm.kv_setup import (
+    BLOCK_TOKENS,
+    LAYERS,
+    LEASE_PAGES,
+    PAGE,
+    VIRTUAL,
+    kv_cache_config,
+)
 
-BLOCK_TOKENS = 16
-PAGE = 64 * 2**10  # 8 blocks of 8 KiB per page and layer
-LAYERS = ["model.layers.0.attn", "model.layers.1.attn"]
-VIRTUAL = 2 * 2**20  # 128 blocks
-LEASE_PAGES = 5  # page 0 (with the null block) and 4 more: 39 usable blocks
 _groups = itertools.count()
 
 
@@ -52,26 +55,6 @@ class Engine:
         queue = vllm_common.queue_of(self.manager.block_pool)
         assert queue is not None
         return queue
-
-
-def kv_cache_config(num_bytes: int) -> tuple[Any, Any]:
-    """vLLM's own plan for two full-attention layers in ``num_bytes``."""
-    from vllm.config import DeviceConfig, VllmConfig
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
-
-    try:
-        from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
-    except ImportError:  # 0.30.x keeps the planner in kv_cache_utils
-        from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups
-
-    vllm_config = VllmConfig(device_config=DeviceConfig(device="cpu"))
-    vllm_config.cache_config.kv_cache_layout = "LBHNC"
-    spec = FullAttentionSpec(
-        block_size=BLOCK_TOKENS, num_kv_heads=2, head_size=64, dtype=torch.float16
-    )
-    groups = [KVCacheGroupSpec(LAYERS, spec)]
-    config = get_kv_cache_config_from_groups(vllm_config, groups, num_bytes)
-    return config, vllm_config.cache_config.get_resolved_kv_cache_layout()
 
 
 @pytest.fixture
