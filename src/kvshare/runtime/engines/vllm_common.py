@@ -4,8 +4,12 @@ What changes in vLLM:
 
 - **Capacity** (``Worker.determine_available_memory``): the engine sizes its KV cache
   from the pool's virtual size, by setting vLLM's own ``kv_cache_memory_bytes`` before
-  its profiling runs (the profile run still compiles the model), inside the GPU's
-  start-up turn from the broker. The device's free memory no longer matters.
+  its profiling runs (the profile run still compiles the model). The device's free
+  memory no longer matters.
+- **Start-up turn** (``Worker.init_device`` to ``Worker.initialize_from_config``): each
+  worker holds its GPU's turn from the broker while vLLM checks free memory, loads
+  weights, profiles and allocates its KV cache, so engines starting on one GPU do not
+  measure each other.
 - **Tensors** (``allocate_kv_cache`` where the model runners call it): one
   :class:`~kvshare.runtime.pool.KVPool` per worker, on the worker's own device, whose
   geometry mirrors vLLM's layout: layer-outer layouts get one pool buffer per layer,
@@ -186,12 +190,42 @@ def scheduler_context(group: Group, layout: Any) -> Iterator[None]:
         _scheduler.reset(token)
 
 
+_TURN_ATTRIBUTE = "_kvshare_startup_turn"
+
+
+def taking_the_startup_turn(original: AnyCallable) -> AnyCallable:
+    """Wrapper for ``Worker.init_device``: the GPU's start-up turn is held from here (vLLM
+    checks free memory first, then loads weights and profiles) until the KV cache exists."""
+
+    def init_device(self: Any) -> None:
+        group = group_of(self.vllm_config)
+        turn = contextlib.ExitStack()
+        turn.enter_context(
+            pools.startup_turn(Role(ENGINE, int(self.local_rank), group.world_size, "coordinated"))
+        )
+        setattr(self, _TURN_ATTRIBUTE, turn)
+        try:
+            original(self)
+        except BaseException:
+            turn.close()
+            raise
+
+    return init_device
+
+
 def in_worker_group(original: AnyCallable) -> AnyCallable:
-    """Wrapper for ``Worker.initialize_from_config``: the worker's KV cache joins its group."""
+    """Wrapper for ``Worker.initialize_from_config``: the worker's KV cache joins its group;
+    the start-up turn ends once it exists."""
 
     def initialize_from_config(self: Any, kv_cache_config: Any) -> None:
-        with worker_context(group_of(self.vllm_config), _tp_rank()):
-            original(self, kv_cache_config)
+        try:
+            with worker_context(group_of(self.vllm_config), _tp_rank()):
+                original(self, kv_cache_config)
+        finally:
+            turn = getattr(self, _TURN_ATTRIBUTE, None)
+            if turn is not None:
+                setattr(self, _TURN_ATTRIBUTE, None)
+                turn.close()
 
     return initialize_from_config
 
@@ -311,11 +345,10 @@ def sizing_from_pool(original: AnyCallable) -> AnyCallable:
     """Wrapper for ``Worker.determine_available_memory``: the pool's virtual size."""
 
     def determine_available_memory(self: Any) -> int:
-        virtual = pools.virtual_kv_bytes(self.device)
-        self.cache_config.kv_cache_memory_bytes = virtual
-        group = group_of(self.vllm_config)
-        with pools.startup_turn(Role(ENGINE, _tp_rank(), group.world_size, "coordinated")):
-            return original(self)  # type: ignore[no-any-return]
+        # vLLM's own "KV cache of this many bytes" setting: its profiling still runs (and
+        # compiles the model) but no longer derives the size from free memory.
+        self.cache_config.kv_cache_memory_bytes = pools.virtual_kv_bytes(self.device)
+        return original(self)  # type: ignore[no-any-return]
 
     return determine_available_memory
 
@@ -562,9 +595,14 @@ def vllm_patch_set(
     scheduler = f"{_CORE}.sched.scheduler"
     patches = [
         Patch(
+            Target(f"{_WORKER}.gpu_worker", "Worker.init_device", ("self",)),
+            taking_the_startup_turn,
+            "the worker holds its GPU's start-up turn until its KV cache exists",
+        ),
+        Patch(
             Target(f"{_WORKER}.gpu_worker", "Worker.determine_available_memory", ("self",)),
             sizing_from_pool,
-            "KV capacity from the pool's virtual size, in the GPU's start-up turn",
+            "KV capacity from the pool's virtual size, not free memory",
         ),
         *(
             Patch(
@@ -581,7 +619,7 @@ def vllm_patch_set(
                 ("self", "kv_cache_config"),
             ),
             in_worker_group,
-            "the worker's KV cache is a rank of its engine's coordinated group",
+            "the worker's KV cache is a rank of its engine's coordinated group; turn ends",
         ),
         Patch(
             Target(f"{_CORE}.sched.scheduler", "Scheduler.__init__", _SCHEDULER_INIT),
