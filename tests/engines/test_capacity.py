@@ -25,6 +25,11 @@ def standalone(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
     monkeypatch.setenv("KVSHARE_KV_MAX", "40Gi")
 
 
+def test_pool_devices_are_explicit_indices() -> None:
+    assert pools.device_index("cuda:3") == 3
+    assert pools.device_index("cpu") == 0
+
+
 def test_the_virtual_size_is_kv_max(standalone: None) -> None:
     assert pools.virtual_kv_bytes("cuda:3") == 40 * 2**30
 

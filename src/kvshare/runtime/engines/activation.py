@@ -118,6 +118,7 @@ def _show_logs() -> None:
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [%(name)s] %(message)s"))
         logger.addHandler(handler)
+        logger.propagate = False  # the engine's root handlers would print every line twice
 
 
 def install() -> EngineImportHook:
