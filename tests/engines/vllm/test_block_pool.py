@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvshare.runtime.engines import pools, vllm_common
+from kvshare.runtime.engines import pools, vllm_blocks, vllm_common
 from kvshare.runtime.engines.activation import activate
 from kvshare.runtime.pool import KVPool
 from kvshare.runtime.rank_server import RankServer
@@ -46,13 +46,13 @@ class Engine:
 
     @property
     def pool(self) -> KVPool:
-        queue = vllm_common.queue_of(self.manager.block_pool)
+        queue = vllm_blocks.queue_of(self.manager.block_pool)
         assert queue is not None, "the block pool is not backed by kvshare"
         return queue.pool
 
     @property
-    def queue(self) -> vllm_common.PooledFreeBlockQueue:
-        queue = vllm_common.queue_of(self.manager.block_pool)
+    def queue(self) -> vllm_blocks.PooledFreeBlockQueue:
+        queue = vllm_blocks.queue_of(self.manager.block_pool)
         assert queue is not None
         return queue
 

@@ -20,7 +20,7 @@ import pytest
 
 from kvshare.api import env
 from kvshare.api.engines import SUPPORTED
-from kvshare.runtime.engines import pools, vllm_common
+from kvshare.runtime.engines import pools, vllm_blocks, vllm_common
 from kvshare.runtime.engines.activation import activate
 from tests.engines.suite import installed_line
 from tests.engines.vllm.kv_setup import (
@@ -114,7 +114,7 @@ def test_both_workers_map_the_pages_of_the_blocks_the_scheduler_hands_out(
             hash_block_size=BLOCK_TOKENS,
             enable_caching=True,
         )
-    queue = vllm_common.queue_of(manager.block_pool)
+    queue = vllm_blocks.queue_of(manager.block_pool)
     assert queue is not None
     assert queue.pool.ownership.mode == "coordinated"
     req = request(prompt(3, 12))
