@@ -14,31 +14,22 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections import Counter
 
 import torch
 
 from kvshare.runtime import backends
-from kvshare.runtime.backends.host import HostBackend
+from tests.runtime import tp_rank as runtime_tp_rank
 
 
-class CountingHostBackend(HostBackend):
-    """The real host backend, counting maps per address and maps over a live mapping."""
+class CountingHostBackend(runtime_tp_rank.CountingHostBackend):
+    """The runtime tests' counting host backend, also catching a map over a live mapping."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.maps: Counter[int] = Counter()
         self.live: set[int] = set()
         self.duplicates: list[int] = []
-        self.bases: list[int] = []
-
-    def reserve(self, size: int) -> int:
-        base = super().reserve(size)
-        self.bases.append(base)
-        return base
 
     def map(self, address: int, size: int, handle: int) -> None:
-        self.maps[address] += 1
         if address in self.live:
             self.duplicates.append(address)
         super().map(address, size, handle)

@@ -27,7 +27,7 @@ from kvshare.api import env
 if TYPE_CHECKING:
     import torch
 
-    from kvshare.runtime.backends import BackendKind
+    from kvshare.runtime.backends import Backend, BackendKind
     from kvshare.runtime.geometry import KVGeometry
     from kvshare.runtime.lease import LeaseSource
     from kvshare.runtime.pool import KVPool
@@ -132,19 +132,25 @@ def _remember(opened: KVPool | RankServer) -> None:
         _opened.append(opened)
 
 
-def open_local_pool(geometry: KVGeometry, device: torch.device | str, role: Role) -> KVPool:
-    """A pool whose page operations never leave this process; the TP size is still reported."""
+def _memory(device: torch.device | str, role: Role) -> tuple[int, Backend, LeaseSource]:
+    """This worker's device index, a backend on that device, and its lease."""
     from kvshare.runtime.backends import open_backend
-    from kvshare.runtime.ownership import LocalOwnership
-    from kvshare.runtime.pool import KVPool
 
     index = device_index(device)
     backend = open_backend(_backend_kind(), index)
     try:
-        lease = lease_for(role)
+        return index, backend, lease_for(role)
     except BaseException:
         backend.close()
         raise
+
+
+def open_local_pool(geometry: KVGeometry, device: torch.device | str, role: Role) -> KVPool:
+    """A pool whose page operations never leave this process; the TP size is still reported."""
+    from kvshare.runtime.ownership import LocalOwnership
+    from kvshare.runtime.pool import KVPool
+
+    index, backend, lease = _memory(device, role)
     pool = KVPool(
         geometry,
         backend,
@@ -169,17 +175,10 @@ def open_local_pool(geometry: KVGeometry, device: torch.device | str, role: Role
 def open_rank(
     geometry: KVGeometry, device: torch.device | str, role: Role, group: str
 ) -> RankServer:
-    """Serve this worker's device memory to its group's owner; tensors via ``.space``."""
-    from kvshare.runtime.backends import open_backend
+    """Serve this worker's device memory to its group's owner (tensors: ``.tensor``)."""
     from kvshare.runtime.rank_server import RankServer
 
-    index = device_index(device)
-    backend = open_backend(_backend_kind(), index)
-    try:
-        lease = lease_for(role)
-    except BaseException:
-        backend.close()
-        raise
+    _, backend, lease = _memory(device, role)
     server = RankServer(
         geometry, backend, lease, group=group, rank=role.rank, world_size=role.world_size
     )

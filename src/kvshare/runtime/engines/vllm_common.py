@@ -375,6 +375,30 @@ def attaching_block_pool(original: AnyCallable) -> AnyCallable:
 _WORKER = "vllm.v1.worker"
 _CORE = "vllm.v1.core"
 _ALLOCATE = ("kv_cache_config", "device", "layout", "kernel_block_sizes")
+#: Constructor parameters every supported line shares; lines append their own.
+COORDINATOR_PARAMETERS = (
+    "self",
+    "kv_cache_config",
+    "max_model_len",
+    "max_in_flight_tokens",
+    "use_eagle",
+    "enable_caching",
+    "enable_kv_cache_events",
+    "dcp_world_size",
+    "pcp_world_size",
+    "scheduler_block_size",
+    "hash_block_size",
+    "metrics_collector",
+    "num_prefill_lookahead",
+)
+BLOCK_POOL_PARAMETERS = (
+    "self",
+    "num_gpu_blocks",
+    "enable_caching",
+    "hash_block_size",
+    "enable_kv_cache_events",
+    "metrics_collector",
+)
 _SCHEDULER_INIT = (
     "self",
     "vllm_config",

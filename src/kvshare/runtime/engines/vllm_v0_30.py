@@ -1,14 +1,19 @@
 """Patches for vLLM 0.30.x (see :mod:`kvshare.runtime.engines.vllm_common`).
 
 Differs from 0.33.x in constructor parameters (no hash look-ahead) and in the kernel
-block size of MLA layers with their own storage block size.
+block size of MLA layers that have a storage block size of their own.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from kvshare.runtime.engines.vllm_common import group_kernel_block_size, vllm_patch_set
+from kvshare.runtime.engines.vllm_common import (
+    BLOCK_POOL_PARAMETERS,
+    COORDINATOR_PARAMETERS,
+    group_kernel_block_size,
+    vllm_patch_set,
+)
 
 
 def _kernel_block_size(
@@ -24,29 +29,7 @@ def _kernel_block_size(
 
 PATCHES = vllm_patch_set(
     "0.30.x",
-    coordinator_parameters=(
-        "self",
-        "kv_cache_config",
-        "max_model_len",
-        "max_in_flight_tokens",
-        "use_eagle",
-        "enable_caching",
-        "enable_kv_cache_events",
-        "dcp_world_size",
-        "pcp_world_size",
-        "scheduler_block_size",
-        "hash_block_size",
-        "metrics_collector",
-        "num_prefill_lookahead",
-    ),
-    block_pool_parameters=(
-        "self",
-        "num_gpu_blocks",
-        "enable_caching",
-        "hash_block_size",
-        "enable_kv_cache_events",
-        "metrics_collector",
-        "medium",
-    ),
+    coordinator_parameters=COORDINATOR_PARAMETERS,
+    block_pool_parameters=(*BLOCK_POOL_PARAMETERS, "medium"),
     kernel_block_size=_kernel_block_size,
 )
