@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 import torch
 
+from kvshare.api.engines import parse_release
 from kvshare.runtime.engines import pools, sglang_common
 from kvshare.runtime.engines.activation import activate, engine_version
-from kvshare.runtime.engines.registry import parse_release
 from kvshare.runtime.pool import KVPool
 from tests.engines.suite import movable_lease
 
@@ -171,7 +171,7 @@ def test_radix_cache_holds_evicts_and_frees_through_the_pool(cache: Cache) -> No
     # The pool asks from its thread; the scheduler carries it out at its next iteration.
     assert evictor.evict(120) == 0
     assert cache.pool.snapshot().used_blocks == len(tokens)
-    assert evictor.run_pending() >= 120
+    assert evictor.step() >= 120
     left = cache.tree.evictable_size()
     assert left <= len(tokens) - 120
     assert cache.pool.snapshot().used_blocks == left
@@ -188,7 +188,7 @@ def test_a_lowered_lease_is_honoured_by_evicting_the_radix_cache(cache: Cache) -
     assert evictor is not None
     for _ in range(20):
         cache.pool.maintain()  # the pool's thread: asks the evictor
-        evictor.run_pending()  # the scheduler's next iteration
+        evictor.step()  # the scheduler's next iteration
         if cache.pool.mapped_pages() == frozenset({0}):
             break
     assert cache.pool.mapped_pages() == frozenset({0})

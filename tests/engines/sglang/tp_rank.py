@@ -5,7 +5,8 @@ Joins a real two-rank SGLang TP group (torch.distributed over gloo, SGLang's own
 cache as SGLang's configurator does on every rank: ``MHATokenToKVPool`` with the model's
 shape, the token allocator over it, the radix cache over the allocator — kvshare's patches
 applied. It then serves the same schedule as its peer (SGLang ranks make identical
-decisions), and prints what its pool did as one JSON line. Map calls are counted by a
+decisions), starting every iteration as SGLang's scheduler does (the ranks agree on their
+lease there), and prints what its pool did as one JSON line. Map calls are counted by a
 host backend that records every map and unmap per address.
 """
 
@@ -114,11 +115,16 @@ def main() -> int:
         )
     )
     pool = sglang_common.pool_of(kvcache)
-    assert pool is not None
+    evictor = sglang_common.evictor_of(tree)
+    assert pool is not None and evictor is not None
     handed: list[int] = []
-    for step in range(6):
+    decisions: list[int | None] = []
+    for step in range(16):
+        evictor.step()  # what each scheduler iteration starts with (Scheduler.ingest_requests)
         slots = allocator.alloc(100 + step)
-        assert slots is not None
+        decisions.append(None if slots is None else len(slots))
+        if slots is None:
+            continue  # SGLang's "no space": the request waits
         handed.extend(slots.tolist())
         if step % 2:
             allocator.free(slots[: len(slots) // 2])
@@ -139,7 +145,9 @@ def main() -> int:
         "mapped_pages": sorted(pool.mapped_pages()),
         "used_blocks": pool.snapshot().used_blocks,
         "in_step_with_peers": len({int(p) for p in peers}) == 1,
-        "tree_evictable": int(tree.evictable_size()),
+        "own_lease": pool.lease.own_limit(),  # type: ignore[attr-defined]
+        "agreed_lease": pool.lease.limit(),
+        "decisions": decisions,
     }
     sys.stdout.write(json.dumps(result) + "\n")
     sys.stdout.flush()

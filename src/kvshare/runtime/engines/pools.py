@@ -145,12 +145,21 @@ def _memory(device: torch.device | str, role: Role) -> tuple[int, Backend, Lease
         raise
 
 
-def open_local_pool(geometry: KVGeometry, device: torch.device | str, role: Role) -> KVPool:
-    """A pool whose page operations never leave this process; the TP size is still reported."""
+def open_local_pool(
+    geometry: KVGeometry, device: torch.device | str, role: Role, *, agreed: bool = False
+) -> KVPool:
+    """A pool whose page operations never leave this process; the TP size is still reported.
+
+    With ``agreed``, the pool's limit is what the rank's group agrees on at each step
+    (:class:`~kvshare.runtime.engines.group_lease.AgreedLease`).
+    """
+    from kvshare.runtime.engines.group_lease import AgreedLease
     from kvshare.runtime.ownership import LocalOwnership
     from kvshare.runtime.pool import KVPool
 
     index, backend, lease = _memory(device, role)
+    if agreed:
+        lease = AgreedLease(lease)
     pool = KVPool(
         geometry,
         backend,

@@ -20,6 +20,10 @@ operations never leave the rank, while the real rank and TP size still reach the
   cache is the pool's evictor. The pool asks from its own thread; the request is carried
   out by the scheduler at the start of its next loop iteration (idle or not), where
   SGLang's radix tree is consistent.
+- **Ranks in step**: ranks must take identical allocation decisions, but each has its own
+  GPU's lease. At that same point of every iteration the TP group agrees (one small
+  all-reduce on SGLang's CPU group) on the smallest rank lease and the largest eviction
+  asked for, and every rank applies both (:mod:`.group_lease`).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from math import prod
 from typing import TYPE_CHECKING, Any, cast
 
 from kvshare.runtime.engines import pools
+from kvshare.runtime.engines.group_lease import AgreedLease
 from kvshare.runtime.engines.patching import AnyCallable, Patch, PatchSet, Target
 from kvshare.runtime.engines.pools import EngineConfigError, Role
 
@@ -58,6 +63,12 @@ def _rank_role() -> Role:
     else:
         rank, world_size = 0, 1
     return Role(ENGINE, int(rank), int(world_size), "local")
+
+
+def _tp_cpu_group() -> Any:
+    from sglang.srt.distributed import parallel_state
+
+    return parallel_state.get_tp_group().cpu_group
 
 
 def pool_of(owner: Any) -> KVPool | None:
@@ -96,7 +107,8 @@ def buffers_from_pool(original: AnyCallable) -> AnyCallable:
             page_size=pools.page_size(),
             layout="per-layer",
         )
-        pool = pools.open_local_pool(geometry, self.device, _rank_role())
+        role = _rank_role()
+        pool = pools.open_local_pool(geometry, self.device, role, agreed=role.world_size > 1)
         shape = (num_blocks * rows_per_block, *k_shape[1:])
 
         def view(buffer: int) -> torch.Tensor:
@@ -292,14 +304,24 @@ def decode_pages(self: Any, seq_lens: Any, seq_lens_cpu: Any, last_loc: Any) -> 
 class RadixEvictor:
     """SGLang's radix cache as the pool's evictor (:class:`kvshare.runtime.pool.Evictor`).
 
-    The pool calls :meth:`evict` from its own thread; the scheduler runs
-    :meth:`run_pending` at the start of its next loop iteration.
+    The pool calls :meth:`evict` from its own thread; the scheduler runs :meth:`step` at
+    the start of each loop iteration, where the ranks of a TP group also agree on their
+    lease (``group`` is SGLang's TP CPU group, ``None`` for a single rank).
     """
 
-    def __init__(self, tree_cache: Any, page_size: int, evict_params: Callable[[int], Any]) -> None:
+    def __init__(
+        self,
+        tree_cache: Any,
+        page_size: int,
+        evict_params: Callable[[int], Any],
+        group: Any = None,
+        lease: AgreedLease | None = None,
+    ) -> None:
         self._tree_cache = tree_cache
         self._page_size = page_size
         self._evict_params = evict_params
+        self._group = group
+        self._lease = lease
         self._lock = threading.Lock()  # guards _pending
         self._pending = 0
 
@@ -312,10 +334,12 @@ class RadixEvictor:
             self._pending = max(self._pending, n)
         return 0
 
-    def run_pending(self) -> int:
-        """Evict what the pool asked for (scheduler thread); blocks freed."""
+    def step(self) -> int:
+        """Agree with the group, then evict what any rank's pool asked for; pages freed."""
         with self._lock:
             blocks, self._pending = self._pending, 0
+        if self._group is not None and self._lease is not None:
+            blocks = self._agree(blocks)
         if blocks <= 0:
             return 0
         before = int(self._tree_cache.evictable_size())
@@ -323,6 +347,16 @@ class RadixEvictor:
         freed = (before - int(self._tree_cache.evictable_size())) // self._page_size
         log.info("evicted %d cached pages for the pool (asked %d)", freed, blocks)
         return freed
+
+    def _agree(self, blocks: int) -> int:
+        import torch
+        import torch.distributed as dist
+
+        assert self._lease is not None
+        votes = torch.tensor([self._lease.own_limit(), -blocks], dtype=torch.int64)
+        dist.all_reduce(votes, op=dist.ReduceOp.MIN, group=self._group)
+        self._lease.agree(int(votes[0]))
+        return -int(votes[1])
 
 
 def evicting_for_pool(evict_params: Callable[[int], Any]) -> Callable[[AnyCallable], AnyCallable]:
@@ -335,7 +369,10 @@ def evicting_for_pool(evict_params: Callable[[int], Any]) -> Callable[[AnyCallab
             pool = pool_of(allocator) if allocator is not None else None
             if pool is None:
                 return
-            evictor = RadixEvictor(self, int(self.page_size), evict_params)
+            lease = pool.lease if isinstance(pool.lease, AgreedLease) else None
+            evictor = RadixEvictor(
+                self, int(self.page_size), evict_params, _tp_cpu_group() if lease else None, lease
+            )
             setattr(self, _EVICTOR_ATTRIBUTE, evictor)
             pool.set_evictor(evictor)
 
@@ -355,7 +392,7 @@ def evicting_at_each_iteration(original: AnyCallable) -> AnyCallable:
     def ingest_requests(self: Any, *args: Any, **kwargs: Any) -> Any:
         evictor = evictor_of(getattr(self, "tree_cache", None))
         if evictor is not None:
-            evictor.run_pending()
+            evictor.step()
         return original(self, *args, **kwargs)
 
     return ingest_requests
@@ -490,7 +527,7 @@ def sglang_patch_set(line: str, *, ingest_parameters: tuple[str, ...]) -> PatchS
         Patch(
             Target("sglang.srt.managers.scheduler", "Scheduler.ingest_requests", ingest_parameters),
             evicting_at_each_iteration,
-            "evictions at the scheduler's next iteration",
+            "ranks agree on their lease and evict at each iteration",
         ),
     ]
     requires = [
@@ -509,5 +546,6 @@ def sglang_patch_set(line: str, *, ingest_parameters: tuple[str, ...]) -> PatchS
         ),
         Target("sglang.srt.distributed.parallel_state", "get_tensor_model_parallel_rank", ()),
         Target("sglang.srt.distributed.parallel_state", "get_tensor_model_parallel_world_size", ()),
+        Target("sglang.srt.distributed.parallel_state", "get_tp_group", ()),
     ]
     return PatchSet(ENGINE, line, patches, requires)
