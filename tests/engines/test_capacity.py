@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from kvshare.runtime.engines import pools, sglang_common, vllm_common
+from kvshare.runtime.engines import pools, vllm_common
 from kvshare.runtime.engines.pools import EngineConfigError, Role
 
 
@@ -52,14 +52,6 @@ def test_vllm_profiles_with_its_own_explicit_kv_size(standalone: None) -> None:
     )
     assert vllm_common.sizing_from_pool(profile)(worker) == 40 * 2**30
     assert seen == [40 * 2**30]
-
-
-def test_sglang_budget_is_the_virtual_size_on_its_own_gpu(standalone: None) -> None:
-    def profile(configurator: Any, pre_model_load_memory: int) -> int:
-        raise AssertionError("SGLang's free-memory profiling must not run")
-
-    configurator = SimpleNamespace(device="cuda", gpu_id=1)
-    assert sglang_common.sizing_from_pool(profile)(configurator, 10) == 40 * 2**30
 
 
 def test_without_a_broker_there_is_no_turn_to_take(standalone: None) -> None:
