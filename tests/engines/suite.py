@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 import pytest
 
 from kvshare.api import env
@@ -27,3 +30,17 @@ def movable_lease(role: Role) -> LeaseSource:
     """A lease the test moves as the broker would (stand-in for the node agent's broker):
     ``KVSHARE_KV_LIMIT`` at first, lowered by ``set_limit``."""
     return MovableLease(env.KV_LIMIT.require())
+
+
+def eventually(
+    condition: Callable[[], bool], step: Callable[[], object], timeout_s: float = 60.0
+) -> bool:
+    """Run ``step`` until ``condition`` holds (a lease change travels between threads and
+    processes); ``False`` if it did not within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        step()
+        time.sleep(0.01)
+    return True

@@ -28,14 +28,15 @@ def test_bundle_sitecustomize_without_enable_imports_no_runtime(tmp_path: Path) 
     environ = dict(os.environ, PYTHONPATH=str(bundle), KVSHARE_ENABLE="0")
     code = (
         "import sys, kvshare; "
-        "print(kvshare.__file__, 'kvshare.runtime.engines.activation' in sys.modules)"
+        "print(kvshare.__file__, 'kvshare.runtime.engines.activation' in sys.modules, "
+        "any(type(f).__name__ == 'EngineImportHook' for f in sys.meta_path))"
     )
     done = subprocess.run(
         [sys.executable, "-c", code], env=environ, capture_output=True, text=True, check=True
     )
-    location, activated = done.stdout.split()
+    location, activated, hooked = done.stdout.split()
     assert Path(location).is_relative_to(bundle)
-    assert activated == "False"
+    assert (activated, hooked) == ("False", "False")
 
 
 def test_a_bad_setting_stops_the_process_instead_of_starting_without_kvshare(

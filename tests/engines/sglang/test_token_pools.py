@@ -19,7 +19,7 @@ from kvshare.api.engines import parse_release
 from kvshare.runtime.engines import pools, sglang_common
 from kvshare.runtime.engines.activation import activate, engine_version
 from kvshare.runtime.pool import KVPool
-from tests.engines.suite import movable_lease
+from tests.engines.suite import eventually, movable_lease
 
 HEADS, HEAD_DIM, LAYERS = 2, 64, 2
 ROW = HEADS * HEAD_DIM * 2  # bytes of one token's K (or V) in one layer, float16
@@ -186,12 +186,11 @@ def test_a_lowered_lease_is_honoured_by_evicting_the_radix_cache(cache: Cache) -
     cache.pool.lease.set_limit(1 * 2 * LAYERS * PAGE)  # the broker reclaims: page 0 only
     evictor = sglang_common.evictor_of(cache.tree)
     assert evictor is not None
-    for _ in range(20):
-        cache.pool.maintain()  # the pool's thread: asks the evictor
-        evictor.step()  # the scheduler's next iteration
-        if cache.pool.mapped_pages() == frozenset({0}):
-            break
-    assert cache.pool.mapped_pages() == frozenset({0})
+    # The pool's thread asks the evictor; the scheduler's next iteration evicts.
+    assert eventually(
+        lambda: cache.pool.mapped_pages() == frozenset({0}),
+        lambda: (cache.pool.maintain(), evictor.step()),
+    ), "the pool did not shrink to page 0"
     assert cache.tree.evictable_size() == 0
 
 

@@ -22,7 +22,7 @@ from kvshare.runtime.engines import pools, vllm_blocks, vllm_common
 from kvshare.runtime.engines.activation import activate
 from kvshare.runtime.pool import KVPool
 from kvshare.runtime.rank_server import RankServer
-from tests.engines.suite import movable_lease
+from tests.engines.suite import eventually, movable_lease
 from tests.engines.vllm.kv_setup import (
     BLOCK_TOKENS,
     LAYERS,
@@ -193,10 +193,9 @@ def test_a_lowered_lease_evicts_cached_blocks_and_unmaps_their_pages(engine: Eng
     assert cached == 24
     mapped_before = engine.pool.snapshot().mapped
     engine.rank.lease.set_limit(1 * len(LAYERS) * PAGE)  # the broker reclaims: page 0 only
-    for _ in range(50):
-        engine.pool.maintain()
-        if engine.pool.snapshot().mapped <= len(LAYERS) * PAGE:
-            break
+    assert eventually(
+        lambda: engine.pool.snapshot().mapped <= len(LAYERS) * PAGE, engine.pool.maintain
+    ), "the pool did not shrink to page 0"
     assert engine.queue.num_held_blocks == 0
     assert engine.pool.snapshot().mapped < mapped_before
     assert engine.rank.mapped_pages() == frozenset({0})
