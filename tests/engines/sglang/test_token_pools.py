@@ -221,3 +221,16 @@ def test_paged_extend_and_decode_take_pages_from_the_pool(env: None) -> None:
     step = cache.allocator.alloc_decode(torch.tensor([21, 6]), torch.tensor([21, 6]), decode_last)
     assert step is not None and len(step) == 2
     assert cache.pool.snapshot().used_blocks == 3  # both fit their current pages
+
+
+def test_an_allocator_kvshare_does_not_serve_is_refused_at_start_up(env: None) -> None:
+    from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
+
+    from kvshare.runtime.engines.pools import EngineConfigError
+
+    class OtherAllocator(TokenToKVPoolAllocator):  # e.g. a platform's own allocator
+        pass
+
+    cache = build(page_size=1)
+    with pytest.raises(EngineConfigError, match="does not serve SGLang's OtherAllocator"):
+        OtherAllocator(SIZE, torch.float16, "cpu", cache.kvcache, need_sort=False)

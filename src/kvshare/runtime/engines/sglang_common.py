@@ -86,6 +86,11 @@ def buffers_from_pool(original: AnyCallable) -> AnyCallable:
     def _create_buffers_normal(self: Any) -> None:
         from kvshare.runtime.geometry import KVGeometry
 
+        if type(self).__name__ != "MHATokenToKVPool":
+            raise EngineConfigError(
+                f"kvshare serves SGLang's MHATokenToKVPool, not {type(self).__name__}, "
+                "whose buffers are laid out differently"
+            )
         if self.kv_cache_layout not in ("nhd", "hnd"):
             raise EngineConfigError(
                 f"kvshare pages SGLang's nhd and hnd KV layouts, not {self.kv_cache_layout!r}"
@@ -136,6 +141,36 @@ def refusing(what: str) -> Callable[[AnyCallable], AnyCallable]:
 
 
 # --- slots ----------------------------------------------------------------------------
+
+#: Allocators whose every path to the free list is patched (by class name: the classes are
+#: the engine's, imported only when patches apply).
+_SERVED_ALLOCATORS = ("TokenToKVPoolAllocator", "PagedTokenToKVPoolAllocator")
+
+
+def _pool_backed_parts(kvcache: Any) -> list[str]:
+    """Names of ``kvcache``'s sub-pools whose buffers live in a kvshare pool."""
+    return [name for name, part in vars(kvcache).items() if getattr(part, _POOL_ATTRIBUTE, None)]
+
+
+def only_served_allocators(original: AnyCallable) -> AnyCallable:
+    """Wrapper for ``BaseTokenToKVPoolAllocator.__init__``: an allocator kvshare does not
+    serve must not hand out slots of pool-backed buffers (their pages would never be
+    mapped); start-up fails naming it instead."""
+
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        kvcache = getattr(self, "_kvcache", None)
+        backed = pool_of(self) is not None or (
+            kvcache is not None and bool(_pool_backed_parts(kvcache))
+        )
+        if backed and type(self).__name__ not in _SERVED_ALLOCATORS:
+            raise EngineConfigError(
+                f"kvshare does not serve SGLang's {type(self).__name__} (over "
+                f"{type(kvcache).__name__}); it serves {', '.join(_SERVED_ALLOCATORS)} — "
+                "hybrid, sliding-window and state-space caches are not supported"
+            )
+
+    return init
 
 
 def _free_lists(allocator: Any) -> list[torch.Tensor]:
@@ -482,6 +517,15 @@ def sglang_patch_set(line: str, *, ingest_parameters: tuple[str, ...]) -> PatchS
             ),
         ]
     patches += [
+        Patch(
+            Target(
+                f"{_MEM}.allocator.base",
+                "BaseTokenToKVPoolAllocator.__init__",
+                ("self", "size", "page_size", "dtype", "device", "kvcache", "need_sort"),
+            ),
+            only_served_allocators,
+            "refused: allocators that would hand out slots of unmapped pages",
+        ),
         Patch(
             Target(_TOKEN, "TokenToKVPoolAllocator.free", ("self", "free_index")),
             returning_to_pool,
