@@ -10,8 +10,11 @@ LOCK   := requirements/dev.lock
 # Each install set is recorded by a stamp, so a target installs only what it needs.
 DEV_STAMP  := $(VENV)/.dev-installed
 DEMO_STAMP := $(VENV)/.demo-installed
+# The kubelet device plugin API stubs, generated from the .proto (never committed).
+PROTO_DIR   := src/kvshare/deviceplugin/v1beta1
+PROTO_STUBS := $(PROTO_DIR)/api_pb2.py
 
-.PHONY: help venv engines test lint format bench demo docs clean
+.PHONY: help venv proto engines test lint format bench demo docs clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -e 's/:.*## /\t/'
@@ -30,13 +33,18 @@ $(DEMO_STAMP): pyproject.toml $(LOCK) | $(PY)
 
 venv: $(DEV_STAMP)  ## create .venv with everything needed to develop
 
+$(PROTO_STUBS): $(PROTO_DIR)/api.proto src/kvshare/deviceplugin/protogen.py $(DEV_STAMP)
+	$(PY) -m kvshare.deviceplugin.protogen
+
+proto: $(PROTO_STUBS)  ## generate the kubelet device plugin API stubs from the .proto
+
 engines: $(DEV_STAMP)  ## install the pinned vLLM/SGLang test environments into .engines/
 	$(PY) tools/engine_env.py build
 
-test: $(DEV_STAMP) engines  ## run the test suite
+test: $(DEV_STAMP) $(PROTO_STUBS) engines  ## run the test suite
 	$(PY) -m pytest
 
-lint: $(DEV_STAMP)  ## ruff (lint + format check) and mypy
+lint: $(DEV_STAMP) $(PROTO_STUBS)  ## ruff (lint + format check) and mypy
 	$(VENV)/bin/ruff check src tests bench tools
 	$(VENV)/bin/ruff format --check src tests bench tools
 	$(VENV)/bin/mypy
@@ -45,7 +53,7 @@ format: $(DEV_STAMP)  ## apply ruff's fixes and formatting
 	$(VENV)/bin/ruff check --fix src tests bench tools
 	$(VENV)/bin/ruff format src tests bench tools
 
-bench: $(DEV_STAMP)  ## run every benchmark and rewrite BENCHMARKS.md
+bench: $(DEV_STAMP) $(PROTO_STUBS)  ## run every benchmark and rewrite BENCHMARKS.md
 	$(PY) bench/run.py --all --write BENCHMARKS.md
 
 demo:  ## the elastic-vs-static demo on this machine (no GPU, no cluster)

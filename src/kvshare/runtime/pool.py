@@ -269,6 +269,8 @@ class KVPool:
         self._wanted_at = 0.0
         self._last_report: PoolUsage | None = None
         self._last_report_at = 0.0
+        # A lowered lease is acknowledged by the next report, even when nothing changed.
+        self._report_due = False
         self._map_limit_logged = False
 
         self._wake = threading.Event()
@@ -659,6 +661,8 @@ class KVPool:
         Cheap and lock-free for the caller; the background thread acts on it (call
         :meth:`maintain` to act at once in a pool without one).
         """
+        if limit < self._limit_bytes:
+            self._report_due = True
         self._set_limit(limit)
         self._lease_event.set()
         self._wake.set()
@@ -697,7 +701,8 @@ class KVPool:
                 desired = self._mapped_pages - len(self._ready) + self._reserve_pages
             if desired > self._limit_pages:
                 self._want(desired)
-            self._report(force=changed)
+            report_due, self._report_due = self._report_due, False
+            self._report(force=changed or report_due)
 
     def _rebalance(self) -> bool:
         """Drop ready pages beyond the lease or the reserve, or refill the reserve within the
@@ -705,7 +710,9 @@ class KVPool:
         with self._lock:
             over = self._held_pages - self._limit_pages
             if over > 0:
-                drop = self._pick_ready_to_drop(over)
+                # Down to the lease, and the reserve trimmed as well in the same pass.
+                excess = len(self._ready) - self._reserve_pages
+                drop = self._pick_ready_to_drop(max(over, excess))
                 grow: list[int] = []
             else:
                 drop = self._pick_ready_to_drop(len(self._ready) - self._reserve_pages)

@@ -1,0 +1,113 @@
+"""The admin socket: what ``kvshare ctl`` and ``kvshare top`` ask the node agent.
+
+Same framing as the broker (:mod:`kvshare.api.wire`), its own messages: one
+:class:`AdminRequest`, one :class:`AdminReply`. Requests are executed by the broker's
+own thread against its books (:func:`execute`), so an admin change and pool traffic
+never race.
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+from kvshare.api.wire import Codec, FrameReader, Message, ProtocolError
+from kvshare.deviceplugin.books import Books, Send
+from kvshare.deviceplugin.views import BooksView
+
+__all__ = ["ADMIN_CODEC", "AdminClient", "AdminError", "AdminReply", "AdminRequest", "execute"]
+
+Op = Literal["list", "set-max", "drain", "undrain"]
+OPS: tuple[str, ...] = ("list", "set-max", "drain", "undrain")
+
+
+@dataclass(frozen=True, slots=True)
+class AdminRequest(Message):
+    """``list``; ``set-max`` (``pool``, ``size`` or None for no cap); ``drain``/``undrain``
+    (``gpu`` by UUID or index)."""
+
+    TYPE: ClassVar[str] = "admin-request"
+    op: str
+    pool: str = ""
+    gpu: str = ""
+    size: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class AdminReply(Message):
+    """The books after the request, or why it failed."""
+
+    TYPE: ClassVar[str] = "admin-reply"
+    ok: bool
+    error: str = ""
+    view: BooksView | None = None
+
+
+ADMIN_CODEC = Codec((AdminRequest, AdminReply))
+
+
+class AdminError(RuntimeError):
+    """The admin request failed; the message says why."""
+
+
+def execute(books: Books, request: AdminRequest, now: float) -> tuple[AdminReply, list[Send]]:
+    """Run ``request`` against ``books``: the reply and the messages it makes pools get."""
+    sends: list[Send] = []
+    try:
+        if request.op == "set-max":
+            matches = books.find(request.pool)
+            if not matches:
+                raise KeyError(f"no pool {request.pool!r} (see `kvshare ctl pools`)")
+            if len(matches) > 1:
+                ids = ", ".join(str(p.id) for p in matches)
+                raise KeyError(f"{request.pool!r} names several pools; use an id ({ids})")
+            sends = books.set_max(matches[0].id, request.size, now)
+        elif request.op in ("drain", "undrain"):
+            sends = books.set_draining(request.gpu, request.op == "drain", now)
+        elif request.op != "list":
+            raise KeyError(f"unknown admin operation {request.op!r}; one of {', '.join(OPS)}")
+    except (KeyError, ValueError) as exc:
+        message = exc.args[0] if exc.args else str(exc)
+        return AdminReply(ok=False, error=str(message)), sends
+    return AdminReply(ok=True, view=books.view(now)), sends
+
+
+class AdminClient:
+    """Talks to the node agent's admin socket (one request per connection)."""
+
+    def __init__(self, path: str, timeout: float = 5.0) -> None:
+        self._path = path
+        self._timeout = timeout
+
+    def request(self, request: AdminRequest) -> BooksView:
+        """Send ``request``; the books after it, or :class:`AdminError`."""
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+                sock.settimeout(self._timeout)
+                sock.connect(self._path)
+                sock.sendall(ADMIN_CODEC.encode(request))
+                reply = self._read_reply(sock)
+        except FileNotFoundError:
+            raise AdminError(
+                f"no admin socket at {self._path}: is `kvshare node` running here? "
+                "(pass --admin-socket to point elsewhere)"
+            ) from None
+        except (ConnectionError, TimeoutError, OSError) as exc:
+            raise AdminError(f"admin socket {self._path}: {exc}") from None
+        if not reply.ok or reply.view is None:
+            raise AdminError(reply.error or "the node agent refused the request")
+        return reply.view
+
+    @staticmethod
+    def _read_reply(sock: socket.socket) -> AdminReply:
+        reader = FrameReader()
+        while True:
+            data = sock.recv(1 << 16)
+            if not data:
+                raise AdminError("the node agent closed the admin connection without a reply")
+            for payload in reader.feed(data)[:1]:
+                try:
+                    return ADMIN_CODEC.decode_as(payload, AdminReply)
+                except ProtocolError as exc:
+                    raise AdminError(f"unexpected reply from the node agent: {exc}") from None

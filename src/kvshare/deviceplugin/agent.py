@@ -1,0 +1,311 @@
+"""The node agent: inventory, broker, metrics, audit, device plugin and KVShareNode,
+wired together and started and stopped in order.
+
+Only the inventory, the broker and the metrics endpoint are essential: without them the
+agent does not start. The device plugin waits for a kubelet, and the KVShareNode
+publisher and the pending-pod lookup need a Kubernetes API; each of those says once
+that it is idle and the rest keeps running.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvshare.api import names
+from kvshare.api.quantity import format_bytes_human
+from kvshare.deviceplugin.audit import Auditor
+from kvshare.deviceplugin.broker import Broker, BrokerConfig
+from kvshare.deviceplugin.inventory import GpuInfo, Inventory, open_inventory
+from kvshare.deviceplugin.metrics import MetricsServer, NodeMetrics
+
+__all__ = ["AgentConfig", "NodeAgent"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    """Everything ``kvshare node`` can be told."""
+
+    node_name: str
+    broker_socket: Path
+    admin_socket: Path
+    state_file: Path
+    fake_gpus: str | None = None
+    headroom: int = 512 * 2**20
+    slots_per_gpu: int = 8
+    device_plugin_dir: Path = Path(names.DEVICE_PLUGIN_DIR)
+    metrics_host: str = "0.0.0.0"
+    metrics_port: int = names.METRICS_PORT
+    cdi_kind: str | None = None
+    use_kube: bool = True
+    kubeconfig: str | None = None
+    publish_interval_s: float = 10.0
+    reclaim_deadline_s: float = 10.0
+    startup_hold_s: float = 600.0
+    recovery_s: float = 10.0
+    audit_interval_s: float = 2.0
+    health_interval_s: float = 5.0
+
+    @classmethod
+    def for_broker(
+        cls,
+        node_name: str,
+        broker_socket: Path,
+        *,
+        admin_socket: Path | None = None,
+        state_file: Path | None = None,
+        **options: Any,
+    ) -> AgentConfig:
+        """A config whose admin socket and state file sit next to the broker socket
+        unless given (``admin.sock`` and ``broker.state``)."""
+        run_dir = broker_socket.parent
+        return cls(
+            node_name=node_name,
+            broker_socket=broker_socket,
+            admin_socket=admin_socket or run_dir / names.ADMIN_SOCKET_NAME,
+            state_file=state_file or run_dir / "broker.state",
+            **options,
+        )
+
+
+def kube_api_client(kubeconfig: str | None) -> Any | None:
+    """An API client from the in-cluster config or a kubeconfig, or None without one."""
+    from kubernetes import client, config
+
+    try:
+        config.load_incluster_config()  # type: ignore[no-untyped-call]
+    except config.ConfigException:
+        try:
+            config.load_kube_config(config_file=kubeconfig)  # type: ignore[no-untyped-call]
+        except (config.ConfigException, OSError, TypeError) as exc:
+            log.info(
+                "no Kubernetes API configured (%s): KVShareNode publishing and the pending-pod "
+                "lookup are off",
+                str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
+            )
+            return None
+    return client.ApiClient()
+
+
+class NodeAgent:
+    """``kvshare node`` as an object: :meth:`start`, then :meth:`stop`."""
+
+    def __init__(self, config: AgentConfig) -> None:
+        self.config = config
+        self.metrics = NodeMetrics()
+        self.inventory: Inventory | None = None
+        self.broker: Broker | None = None
+        self.metrics_server: MetricsServer | None = None
+        self._auditor: Auditor | None = None
+        self._plugins: Any = None
+        self._watch: Any = None
+        self._publisher: Any = None
+        self._pods: Any = None
+        self._stop = threading.Event()
+        self._health_thread: threading.Thread | None = None
+        self._gpus: list[GpuInfo] = []
+
+    # --- lifecycle ----------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start every part; raises InventoryError, BrokerError or OSError when an
+        essential part cannot start (and stops what already started)."""
+        try:
+            self._start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self) -> None:
+        config = self.config
+        self.inventory = open_inventory(config.fake_gpus, config.node_name)
+        self._gpus = self.inventory.gpus()
+        broker = Broker(
+            self._gpus,
+            BrokerConfig(
+                socket_path=config.broker_socket,
+                admin_path=config.admin_socket,
+                state_path=config.state_file,
+                headroom=config.headroom,
+                reclaim_deadline_s=config.reclaim_deadline_s,
+                turn_hold_s=config.startup_hold_s,
+                recovery_s=config.recovery_s,
+            ),
+            events=self.metrics,
+        )
+        self.broker = broker
+        broker.start()
+        self.metrics.set_source(broker.view)
+        self.metrics_server = MetricsServer(
+            config.metrics_host, config.metrics_port, self.metrics, self._healthy, self._ready
+        )
+        self.metrics_server.start()
+        inventory = self.inventory
+        self._auditor = Auditor(
+            broker.view,
+            broker.record_audit,
+            inventory.backend,
+            inventory.process_memory,
+            interval_s=config.audit_interval_s,
+        )
+        self._auditor.start()
+        self._start_kube()
+        self._start_device_plugin()
+        self._health_thread = threading.Thread(
+            target=self._poll_health, name="kvshare-health", daemon=True
+        )
+        self._health_thread.start()
+        total = sum(g.total_bytes for g in self._gpus)
+        log.info(
+            "kvshare node agent on %s: %d GPU(s) (%s, %s backend), broker %s, admin %s, "
+            "metrics http://%s:%d/metrics",
+            config.node_name,
+            len(self._gpus),
+            format_bytes_human(total),
+            inventory.backend,
+            config.broker_socket,
+            config.admin_socket,
+            config.metrics_host,
+            self.metrics_server.port,
+        )
+
+    def _start_kube(self) -> None:
+        config = self.config
+        api = kube_api_client(config.kubeconfig) if config.use_kube else None
+        if api is None:
+            return
+        from kvshare.deviceplugin.pods import PendingPods
+        from kvshare.deviceplugin.publisher import KVShareNodePublisher, status_from_view
+
+        assert self.broker is not None and self.inventory is not None
+        broker, backend = self.broker, self.inventory.backend
+
+        def status() -> Any:
+            return status_from_view(broker.view(), backend, config.slots_per_gpu)
+
+        self._publisher = KVShareNodePublisher(
+            api, config.node_name, status, self.metrics, interval_s=config.publish_interval_s
+        )
+        self._publisher.start()
+        self._pods = PendingPods(api, config.node_name)
+        self._pods.start()
+
+    def _start_device_plugin(self) -> None:
+        try:
+            from kvshare.deviceplugin.plugin import (
+                DeviceWatch,
+                GpuMemoryResource,
+                GpuSlotResource,
+                NodeView,
+            )
+            from kvshare.deviceplugin.registration import PluginManager
+        except ImportError as exc:
+            # A build without the generated kubelet API stubs: the broker and the metrics
+            # still serve (as without a kubelet), but say loudly what is missing.
+            log.error("the device plugin is off: %s", exc)
+            return
+
+        config = self.config
+        assert self.broker is not None and self.inventory is not None
+        broker = self.broker
+
+        def free_bytes() -> dict[str, int]:
+            return {g.uuid: g.free for g in broker.view().gpus}
+
+        node = NodeView(
+            gpus=self.current_gpus,
+            free_bytes=free_bytes,
+            backend=self.inventory.backend,
+            run_dir=str(config.broker_socket.parent),
+            broker_socket_name=config.broker_socket.name,
+            cdi_kind=config.cdi_kind,
+            planned=self._pods.claim if self._pods is not None else None,
+        )
+        self._watch = DeviceWatch()
+        self._plugins = PluginManager(
+            config.device_plugin_dir,
+            [
+                GpuSlotResource(node, config.slots_per_gpu),
+                GpuMemoryResource(node, config.headroom),
+            ],
+            self._watch,
+            self.metrics,
+        )
+        self._plugins.start()
+
+    def stop(self) -> None:
+        """Stop every part that started, newest first; removes the plugin and broker
+        sockets (pools keep their memory and reconnect to the next agent)."""
+        self._stop.set()
+        for part in (self._plugins, self._publisher, self._pods, self._auditor):
+            if part is not None:
+                part.stop()
+        if self._health_thread is not None:
+            self._health_thread.join(timeout=10)
+        if self.metrics_server is not None:
+            self.metrics_server.stop()
+        if self.broker is not None:
+            self.broker.stop()
+        if self.inventory is not None:
+            self.inventory.close()
+        self._plugins = self._publisher = self._pods = self._auditor = None
+        self.metrics_server = None
+        self.broker = None
+        self.inventory = None
+
+    # --- state --------------------------------------------------------------------------
+
+    def current_gpus(self) -> list[GpuInfo]:
+        """The GPUs with their health as last polled."""
+        return list(self._gpus)
+
+    def plugin_registered(self) -> dict[str, bool]:
+        """Resource -> registered with the kubelet."""
+        return self._plugins.registered() if self._plugins is not None else {}
+
+    def _healthy(self) -> tuple[bool, str]:
+        broker = self.broker
+        if broker is None or not broker.alive:
+            return False, "broker loop is not running"
+        return True, "ok"
+
+    def _ready(self) -> tuple[bool, str]:
+        broker = self.broker
+        if broker is None or not broker.alive:
+            return False, "broker loop is not running"
+        if not broker.ready:
+            return False, "waiting for pools to re-declare after a restart"
+        return True, "ok"
+
+    def _poll_health(self) -> None:
+        while not self._stop.wait(self.config.health_interval_s):
+            self.refresh_health()
+
+    def refresh_health(self) -> None:
+        """Read GPU health now and report changes to the broker and the kubelet."""
+        inventory, broker = self.inventory, self.broker
+        if inventory is None or broker is None:
+            return
+        try:
+            gpus = inventory.gpus()
+        except Exception:
+            log.exception("reading GPU health failed")
+            return
+        before = {g.uuid: g.healthy for g in self._gpus}
+        self._gpus = gpus
+        changed = [g for g in gpus if before.get(g.uuid) != g.healthy]
+        for gpu in changed:
+            broker.set_health(gpu.uuid, gpu.healthy)
+            log.warning(
+                "GPU %d (%s) is now %s",
+                gpu.index,
+                gpu.uuid,
+                "healthy" if gpu.healthy else "unhealthy",
+            )
+        if changed and self._watch is not None:
+            self._watch.bump()

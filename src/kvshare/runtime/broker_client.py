@@ -1,0 +1,689 @@
+"""The node agent's memory broker, seen from a KV pool: :class:`BrokerLease` and
+:func:`startup_turn`.
+
+:class:`BrokerLease` is the :class:`~kvshare.runtime.lease.LeaseSource` of a pool that
+runs under the node agent. The pool's hot path only reads :meth:`BrokerLease.limit` and
+posts wishes (:meth:`~BrokerLease.want`, :meth:`~BrokerLease.report`); one background
+thread (``kvshare-lease``) talks to the broker:
+
+- growth is asked in chunks (``chunk_bytes``, a multiple of the page size), so the
+  allocation path rarely waits for a round trip;
+- grants and reclaims arrive as :meth:`LeaseHolder.lease_changed` calls on that thread;
+- a reclaim is acknowledged by the first :meth:`~BrokerLease.report` made once the lower
+  limit is in force whose held bytes fit it (never by an older report: the pool may have
+  grown since), so a pool must report after ``lease_changed`` even when it had nothing
+  to release (the runtime's pool does, and reports on a timer too);
+- when the connection drops (a broker restart), the pool keeps its memory and lease, and
+  the thread reconnects with exponential backoff and re-declares what it holds.
+
+Wire messages are in :mod:`kvshare.api.wire`; nothing here imports the node agent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import random
+import selectors
+import socket
+import stat
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+from kvshare.api import env
+from kvshare.api.wire import (
+    BROKER_CODEC,
+    PROTOCOL_VERSION,
+    Bye,
+    FrameReader,
+    Hello,
+    Lease,
+    Message,
+    ProtocolError,
+    Reclaim,
+    Refused,
+    Report,
+    TurnDone,
+    TurnGranted,
+    TurnRefused,
+    TurnRequest,
+    Want,
+    Welcome,
+)
+from kvshare.runtime.lease import LeaseHolder, LeaseSource, PoolUsage
+
+__all__ = [
+    "AdmissionRefusedError",
+    "BrokerError",
+    "BrokerLease",
+    "BrokerUnavailableError",
+    "PoolIdentity",
+    "PoolPolicy",
+    "StartupTurnRefusedError",
+    "StartupTurnTimeoutError",
+    "broker_socket_path",
+    "startup_turn",
+]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CHUNK_PAGES = 16
+
+
+class BrokerError(RuntimeError):
+    """Base of the broker client's errors."""
+
+
+class BrokerUnavailableError(BrokerError):
+    """No broker answers at the socket."""
+
+
+class AdmissionRefusedError(BrokerError):
+    """The broker refused this pool; the message carries its reason."""
+
+
+class StartupTurnTimeoutError(BrokerError, TimeoutError):
+    """The GPU's start-up turn did not come within the timeout."""
+
+
+class StartupTurnRefusedError(BrokerError):
+    """The broker refused the start-up turn (e.g. the engine cannot fit on the GPU)."""
+
+
+@dataclass(frozen=True)
+class PoolIdentity:
+    """Who the pool belongs to (pod identity from the downward API, engine facts)."""
+
+    namespace: str = ""
+    pod: str = ""
+    pod_uid: str = ""
+    modelserver: str = ""
+    rank: int = 0
+    tp_size: int = 1
+    engine: str = ""
+
+    @classmethod
+    def from_env(
+        cls,
+        environ: Mapping[str, str] | None = None,
+        *,
+        rank: int = 0,
+        tp_size: int = 1,
+        engine: str = "",
+    ) -> PoolIdentity:
+        """Pod identity from ``KVSHARE_POD_*``/``KVSHARE_MODELSERVER``; the rest from
+        the engine, which knows its rank and tensor-parallel size."""
+        return cls(
+            namespace=env.POD_NAMESPACE.read(environ) or "",
+            pod=env.POD_NAME.read(environ) or "",
+            pod_uid=env.POD_UID.read(environ) or "",
+            modelserver=env.MODELSERVER.read(environ) or "",
+            rank=rank,
+            tp_size=tp_size,
+            engine=engine,
+        )
+
+
+@dataclass(frozen=True)
+class PoolPolicy:
+    """How much the pool is guaranteed, may take, and gives back first."""
+
+    kv_min: int = 0
+    kv_max: int | None = None
+    priority: int = 100
+    static: int = 0
+    page_size: int = 2 * 2**20
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> PoolPolicy:
+        """``KVSHARE_KV_MIN``/``KV_MAX``/``KV_PRIORITY``/``STATIC_BYTES``/``PAGE_SIZE``."""
+        return cls(
+            kv_min=env.KV_MIN.require(environ),
+            kv_max=env.KV_MAX.read(environ),
+            priority=env.KV_PRIORITY.require(environ),
+            static=env.STATIC_BYTES.require(environ),
+            page_size=env.PAGE_SIZE.require(environ),
+        )
+
+
+def broker_socket_path(environ: Mapping[str, str] | None = None) -> str:
+    """The broker socket named by ``KVSHARE_BROKER_SOCKET`` (or its default)."""
+    return env.BROKER_SOCKET.require(environ)
+
+
+def _connect(path: str, timeout: float) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout)
+    try:
+        sock.connect(path)
+    except FileNotFoundError:
+        sock.close()
+        raise BrokerUnavailableError(
+            f"no broker socket at {path}: is the kvshare node agent running on this node "
+            "(and /run/kvshare mounted)? For standalone use set KVSHARE_KV_LIMIT instead"
+        ) from None
+    except OSError as exc:
+        sock.close()
+        raise BrokerUnavailableError(f"cannot connect to the broker at {path}: {exc}") from None
+    return sock
+
+
+def _read_some(sock: socket.socket, reader: FrameReader, deadline: float) -> list[Message]:
+    """Block until at least one whole message arrives (or the deadline passes); returns
+    every message that arrived with it, in order."""
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError("no answer from the broker in time")
+        sock.settimeout(remaining)
+        data = sock.recv(1 << 16)
+        if not data:
+            raise ConnectionError("the broker closed the connection")
+        payloads = reader.feed(data)
+        if payloads:
+            return [BROKER_CODEC.decode(p) for p in payloads]
+
+
+@dataclass
+class _PendingAck:
+    seq: int
+    limit: int
+    reports_at_change: int = 0
+    """Reports made before the lower limit was in force do not acknowledge."""
+
+
+class BrokerLease(LeaseSource):
+    """A lease brokered by the node agent (see the module docstring).
+
+    Thread-safety: :meth:`limit`, :meth:`want` and :meth:`report` may be called from any
+    thread and never block on I/O (a wish is written to the socket at once when that
+    does not block, else by the lease thread); the holder is called back on the
+    ``kvshare-lease`` thread.
+    """
+
+    def __init__(
+        self,
+        gpu: str,
+        *,
+        policy: PoolPolicy,
+        identity: PoolIdentity | None = None,
+        socket_path: str | None = None,
+        chunk_bytes: int | None = None,
+        connect_timeout_s: float = 5.0,
+        reconnect_initial_s: float = 0.05,
+        reconnect_max_s: float = 2.0,
+        report_interval_s: float = 0.05,
+    ) -> None:
+        if policy.page_size <= 0:
+            raise ValueError(f"page size must be > 0, not {policy.page_size}")
+        chunk = chunk_bytes or DEFAULT_CHUNK_PAGES * policy.page_size
+        self.gpu = gpu
+        self.policy = policy
+        self.identity = identity or PoolIdentity()
+        self.socket_path = socket_path or broker_socket_path()
+        self._chunk = -(-chunk // policy.page_size) * policy.page_size
+        self._connect_timeout = connect_timeout_s
+        self._reconnect = (reconnect_initial_s, reconnect_max_s)
+        self._report_interval = report_interval_s
+
+        # _lock guards the state the pool's threads and the lease thread share: the
+        # limit's updates, the wish (_asked), the latest usage, the pending reclaim ack.
+        self._lock = threading.Lock()
+        self._limit = 0
+        self._asked = 0
+        self._usage: PoolUsage | None = None
+        self._reports = 0
+        self._pending: _PendingAck | None = None
+        self._closed = False
+        self._wake_queued = False
+        # _send_lock guards the socket's writing side: _sock, _outbox (bytes not yet
+        # accepted by the socket), _seq and _sent_want. Never taken with _lock held.
+        self._send_lock = threading.Lock()
+        self._sock: socket.socket | None = None
+        self._outbox = bytearray()
+        self._seq = 0
+        self._sent_want = 0
+
+        # Owned by the lease thread once it runs (by attach() before that).
+        self._holder: LeaseHolder | None = None
+        self._reader = FrameReader()
+        self._backlog: list[Message] = []
+        self._sent_reports = 0
+        self._last_report_at = 0.0
+        self._pool_id = 0
+        self._name = ""
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._pipe_open = True
+        self._thread: threading.Thread | None = None
+        self._connected = threading.Event()
+
+    # --- LeaseSource --------------------------------------------------------------------
+
+    def attach(self, holder: LeaseHolder) -> None:
+        """Connect, say hello and start the lease thread.
+
+        Raises :class:`BrokerUnavailableError` when no broker answers and
+        :class:`AdmissionRefusedError` (with the broker's reason) when the pool is refused.
+        """
+        if self._holder is not None:
+            raise RuntimeError("BrokerLease.attach() was already called")
+        self._holder = holder
+        try:
+            welcome = self._handshake(resume=False)
+        except BaseException:
+            self._close_pipe()
+            raise
+        with self._lock:
+            self._limit = welcome.lease
+        self._thread = threading.Thread(target=self._run, name="kvshare-lease", daemon=True)
+        self._thread.start()
+
+    def limit(self) -> int:
+        """The current lease in bytes (no I/O)."""
+        return self._limit
+
+    def want(self, total_bytes: int) -> None:
+        """Ask for the lease to reach ``total_bytes`` (rounded up to whole chunks, capped
+        at ``kv_max``). Never blocks on I/O: the grant arrives via ``lease_changed``."""
+        target = -(-max(total_bytes, 0) // self._chunk) * self._chunk
+        if self.policy.kv_max is not None:
+            target = min(target, self.policy.kv_max)
+        with self._lock:
+            if target <= max(self._limit, self._asked) or self._closed:
+                return
+            self._asked = target
+        # The round trip starts here, not after a hop to the lease thread.
+        self._send_want()
+
+    def report(self, usage: PoolUsage) -> None:
+        """Record what the pool holds; the lease thread sends it (coalesced)."""
+        with self._lock:
+            self._usage = usage
+            self._reports += 1
+        self._wake()
+
+    def close(self) -> None:
+        """Say goodbye (the pool has released its memory) and stop the lease thread."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._wake()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        with self._send_lock:
+            sock, self._sock = self._sock, None
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    sock.settimeout(1.0)
+                    sock.sendall(bytes(self._outbox) + BROKER_CODEC.encode(Bye()))
+                sock.close()
+        self._close_pipe()
+
+    # --- extras -------------------------------------------------------------------------
+
+    @property
+    def pool_id(self) -> int:
+        """The pool's id in the broker's books (changes when it re-declares)."""
+        return self._pool_id
+
+    @property
+    def name(self) -> str:
+        """The pool's name in the broker's books (``namespace/pod`` or ``pid-N``)."""
+        return self._name
+
+    def connected(self) -> bool:
+        """Whether the lease thread is connected to a broker right now."""
+        return self._connected.is_set()
+
+    # --- the conversation ---------------------------------------------------------------
+
+    def _hello(self, resume: bool) -> Hello:
+        identity, policy = self.identity, self.policy
+        usage = self._usage
+        return Hello(
+            version=PROTOCOL_VERSION,
+            gpu=self.gpu,
+            page_size=policy.page_size,
+            kv_min=policy.kv_min,
+            kv_max=policy.kv_max,
+            priority=policy.priority,
+            static=policy.static,
+            namespace=identity.namespace,
+            pod=identity.pod,
+            pod_uid=identity.pod_uid,
+            modelserver=identity.modelserver,
+            rank=identity.rank,
+            tp_size=identity.tp_size,
+            engine=identity.engine,
+            resume=resume,
+            held=usage.held if usage and resume else 0,
+            used=usage.used if usage and resume else 0,
+            lease=self._limit if resume else 0,
+        )
+
+    def _handshake(self, resume: bool) -> Welcome:
+        sock = _connect(self.socket_path, self._connect_timeout)
+        reader = FrameReader()
+        try:
+            sock.sendall(BROKER_CODEC.encode(self._hello(resume)))
+            answer, *backlog = _read_some(sock, reader, time.monotonic() + self._connect_timeout)
+        except (OSError, TimeoutError, ProtocolError) as exc:
+            sock.close()
+            raise BrokerUnavailableError(
+                f"broker at {self.socket_path} did not welcome us: {exc}"
+            ) from None
+        if isinstance(answer, Refused):
+            sock.close()
+            raise AdmissionRefusedError(f"the kvshare broker refused this KV pool: {answer.reason}")
+        if not isinstance(answer, Welcome):
+            sock.close()
+            raise BrokerUnavailableError(f"unexpected {answer.TYPE!r} from the broker")
+        sock.setblocking(False)
+        with self._send_lock:
+            self._sock = sock
+            self._outbox.clear()
+            self._sent_want = 0
+        self._reader = reader
+        self._backlog = backlog
+        self._pool_id, self._name = answer.pool_id, answer.name
+        self._sent_reports = 0
+        self._connected.set()
+        return answer
+
+    def _send_want(self) -> None:
+        """Send the wish if it grew past what was last asked (any thread)."""
+        with self._lock:
+            asked, limit = self._asked, self._limit
+        with self._send_lock:
+            if self._sock is None or asked <= limit or asked <= self._sent_want:
+                return
+            self._seq += 1
+            self._sent_want = asked
+            self._queue(BROKER_CODEC.encode(Want(seq=self._seq, total=asked)))
+
+    def _queue(self, data: bytes) -> None:
+        """Write ``data`` now as far as the socket takes it without blocking; the lease
+        thread writes the rest. ``_send_lock`` held."""
+        sock = self._sock
+        if sock is None:
+            return
+        if not self._outbox:
+            try:
+                sent = sock.send(data)
+            except BlockingIOError:
+                sent = 0
+            except OSError:
+                sent = 0  # the lease thread sees the broken connection when it reads
+            data = data[sent:]
+        if data:
+            self._outbox += data
+            self._wake()
+
+    def _flush(self) -> None:
+        """Write what the socket did not take yet (lease thread)."""
+        with self._send_lock:
+            sock = self._sock
+            if sock is None or not self._outbox:
+                return
+            try:
+                sent = sock.send(self._outbox)
+            except BlockingIOError:
+                return
+            except OSError:
+                return  # seen by the next read
+            del self._outbox[:sent]
+
+    def _wake(self) -> None:
+        # One byte is enough to wake the thread: skip the syscall while one is queued.
+        if self._wake_queued:
+            return
+        self._wake_queued = True
+        if self._pipe_open:
+            with contextlib.suppress(OSError):
+                os.write(self._wake_w, b"x")
+
+    def _close_pipe(self) -> None:
+        if self._pipe_open:
+            self._pipe_open = False
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+
+    def _run(self) -> None:
+        selector = selectors.DefaultSelector()
+        selector.register(self._wake_r, selectors.EVENT_READ, "wake")
+        watched: tuple[socket.socket, int] | None = None  # the socket in the selector, its mask
+
+        def drop() -> None:
+            nonlocal watched
+            if watched is not None:
+                selector.unregister(watched[0])
+                watched = None
+            self._disconnected()
+
+        backoff = self._reconnect[0]
+        next_connect = 0.0
+        try:
+            if not self._handle(self._take_backlog()):
+                drop()
+            while not self._closed:
+                now = time.monotonic()
+                if self._sock is None and now >= next_connect:
+                    if self._try_reconnect() is not None:
+                        backoff = self._reconnect[0]
+                        if not self._handle(self._take_backlog()):
+                            drop()
+                    else:
+                        next_connect = now + backoff * random.uniform(0.5, 1.0)
+                        backoff = min(backoff * 2, self._reconnect[1])
+                timeout = self._send_due(now)
+                sock = self._sock
+                if sock is None:
+                    timeout = min(timeout, max(next_connect - now, 0.0))
+                else:
+                    mask = selectors.EVENT_READ | (selectors.EVENT_WRITE if self._outbox else 0)
+                    if watched is None:
+                        selector.register(sock, mask, "sock")
+                    elif watched != (sock, mask):
+                        selector.modify(sock, mask, "sock")
+                    watched = (sock, mask)
+                for key, events in selector.select(timeout):
+                    if key.data == "wake":
+                        self._wake_queued = False
+                        with contextlib.suppress(BlockingIOError):
+                            os.read(self._wake_r, 4096)
+                        continue
+                    if events & selectors.EVENT_WRITE:
+                        self._flush()
+                    if events & selectors.EVENT_READ and not self._receive():
+                        drop()
+        except Exception:
+            log.exception("kvshare lease thread failed; the lease stays at its last value")
+        finally:
+            selector.close()
+
+    def _try_reconnect(self) -> socket.socket | None:
+        try:
+            welcome = self._handshake(resume=True)
+        except AdmissionRefusedError as exc:
+            log.error("%s; retrying", exc)
+            return None
+        except BrokerUnavailableError as exc:
+            log.debug("reconnect failed: %s", exc)
+            return None
+        log.info("reconnected to the broker as %s; re-declared lease %d", welcome.name, self._limit)
+        self._apply_limit(welcome.lease)
+        return self._sock
+
+    def _take_backlog(self) -> list[Message]:
+        backlog, self._backlog = self._backlog, []
+        return backlog
+
+    def _disconnected(self) -> None:
+        """Forget the connection (the lease thread has stopped watching its socket)."""
+        with self._send_lock:
+            sock, self._sock = self._sock, None
+            self._outbox.clear()
+        if sock is not None:
+            sock.close()
+        self._connected.clear()
+        with self._lock:
+            self._pending = None  # a new broker re-declares from what we hold now
+        if not self._closed:
+            log.warning("lost the broker; keeping lease %d and reconnecting", self._limit)
+
+    def _send_due(self, now: float) -> float:
+        """Send the wish, a report or a reclaim acknowledgement if due; returns how long
+        the thread may sleep before a rate-limited report falls due."""
+        self._send_want()
+        with self._lock:
+            usage, reports, pending = self._usage, self._reports, self._pending
+        if usage is None or self._sock is None:
+            return 0.5
+        fresh = pending is not None and reports > pending.reports_at_change
+        ack = pending.seq if pending is not None and fresh and usage.held <= pending.limit else 0
+        if not ack and reports == self._sent_reports:
+            return 0.5
+        wait = self._last_report_at + self._report_interval - now
+        if not ack and wait > 0:
+            return wait
+        report = Report(
+            mapped=usage.mapped,
+            used=usage.used,
+            cached=usage.cached,
+            reserved=usage.reserved,
+            ack=ack,
+        )
+        with self._send_lock:
+            self._queue(BROKER_CODEC.encode(report))
+        self._sent_reports = reports
+        self._last_report_at = now
+        if ack:
+            with self._lock:
+                if self._pending is pending:
+                    self._pending = None
+        return 0.5
+
+    def _receive(self) -> bool:
+        """Handle what the broker sent; False when the connection is gone."""
+        sock = self._sock
+        if sock is None:
+            return False
+        try:
+            data = sock.recv(1 << 16)
+        except BlockingIOError:
+            return True
+        except OSError:
+            return False
+        if not data:
+            return False
+        try:
+            messages = [BROKER_CODEC.decode(p) for p in self._reader.feed(data)]
+        except ProtocolError as exc:
+            log.error("bad message from the broker (%s): reconnecting", exc)
+            return False
+        return self._handle(messages)
+
+    def _handle(self, messages: list[Message]) -> bool:
+        """Apply the broker's messages; False when it closed the conversation."""
+        for message in messages:
+            if isinstance(message, Lease):
+                self._apply_limit(message.limit)
+            elif isinstance(message, Reclaim):
+                self._reclaimed(message)
+            elif isinstance(message, Refused):
+                log.error("the broker closed our connection: %s", message.reason)
+                return False
+            else:
+                log.error("unexpected %r from the broker: reconnecting", message.TYPE)
+                return False
+        return True
+
+    def _apply_limit(self, limit: int) -> None:
+        with self._lock:
+            changed = limit != self._limit
+            self._limit = limit
+        if changed and self._holder is not None:
+            self._holder.lease_changed(limit)
+
+    def _reclaimed(self, reclaim: Reclaim) -> None:
+        pending = _PendingAck(seq=reclaim.seq, limit=reclaim.limit)
+        with self._lock:
+            # Reports from here on are made with the lower limit in force (a pool that
+            # shrinks and reports inside lease_changed acknowledges at once).
+            self._limit = reclaim.limit
+            self._asked = min(self._asked, reclaim.limit)
+            pending.reports_at_change = self._reports
+            self._pending = pending
+        with self._send_lock:
+            self._sent_want = min(self._sent_want, reclaim.limit)
+        if self._holder is not None:
+            self._holder.lease_changed(reclaim.limit)
+
+
+@contextlib.contextmanager
+def startup_turn(
+    gpu: str,
+    *,
+    static_bytes: int = 0,
+    kv_min: int = 0,
+    timeout_s: float | None = None,
+    socket_path: str | None = None,
+    identity: PoolIdentity | None = None,
+) -> Iterator[float]:
+    """Hold the GPU's start-up turn while an engine loads and profiles memory.
+
+    One engine per GPU at a time; the broker first makes room for ``static_bytes`` +
+    ``kv_min`` (reclaiming lent memory). Yields the longest the turn may be held (the
+    broker takes it back after that). Raises :class:`StartupTurnTimeoutError` after
+    ``timeout_s`` (default ``KVSHARE_STARTUP_TIMEOUT``), :class:`StartupTurnRefusedError`
+    when the engine cannot fit, :class:`BrokerUnavailableError` without a broker.
+    """
+    wait = timeout_s if timeout_s is not None else env.STARTUP_TIMEOUT.require()
+    path = socket_path or broker_socket_path()
+    who = identity or PoolIdentity()
+    sock = _connect(path, min(wait, 5.0))
+    try:
+        request = TurnRequest(
+            seq=1,
+            gpu=gpu,
+            static=static_bytes,
+            kv_min=kv_min,
+            pod_uid=who.pod_uid,
+            rank=who.rank,
+        )
+        sock.sendall(BROKER_CODEC.encode(request))
+        try:
+            answer = _read_some(sock, FrameReader(), time.monotonic() + wait)[0]
+        except TimeoutError:
+            raise StartupTurnTimeoutError(
+                f"no start-up turn on GPU {gpu} within {wait:g} s (another engine is still "
+                "starting there; raise KVSHARE_STARTUP_TIMEOUT to wait longer)"
+            ) from None
+        except (OSError, ProtocolError) as exc:
+            raise BrokerUnavailableError(
+                f"lost the broker while waiting for a turn: {exc}"
+            ) from None
+        if isinstance(answer, TurnRefused | Refused):
+            raise StartupTurnRefusedError(f"start-up turn on GPU {gpu} refused: {answer.reason}")
+        if not isinstance(answer, TurnGranted):
+            raise BrokerUnavailableError(f"unexpected {answer.TYPE!r} from the broker")
+        log.info("holding the start-up turn of GPU %s", gpu)
+        yield answer.hold_s
+        with contextlib.suppress(OSError):
+            sock.sendall(BROKER_CODEC.encode(TurnDone(seq=request.seq)))
+    finally:
+        sock.close()
+
+
+def broker_present(path: str) -> bool:
+    """Whether ``path`` is a unix socket (a node agent's broker may answer there)."""
+    try:
+        return stat.S_ISSOCK(os.stat(path).st_mode)
+    except OSError:
+        return False

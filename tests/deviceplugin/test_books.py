@@ -1,0 +1,436 @@
+"""The broker's books: admission, grants, fair-share reclaims, deadlines, turns, drain,
+recovery, and the invariant that memory changes hands only after it was released."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvshare.api.wire import Hello, Lease, Reclaim, Report, TurnGranted, TurnRefused, TurnRequest
+from kvshare.deviceplugin.books import (
+    Books,
+    BrokerEvents,
+    ExpectedPool,
+    PoolRecord,
+    Send,
+    fair_shares,
+)
+from kvshare.deviceplugin.inventory import GpuInfo
+
+GIB = 2**30
+PAGE = 2 * 2**20
+GPU = GpuInfo(uuid="GPU-test-0", index=0, name="test", total_bytes=16 * GIB)
+
+
+def hello(pod: str, **overrides: object) -> Hello:
+    fields: dict[str, object] = {
+        "version": 1,
+        "gpu": GPU.uuid,
+        "page_size": PAGE,
+        "kv_min": GIB,
+        "kv_max": None,
+        "priority": 100,
+        "static": 2 * GIB,
+        "namespace": "ns",
+        "pod": pod,
+    }
+    fields.update(overrides)
+    return Hello(**fields)  # type: ignore[arg-type]
+
+
+class RecordingEvents(BrokerEvents):
+    def __init__(self) -> None:
+        self.overdue: list[str] = []
+        self.completed: list[float] = []
+
+    def reclaim_overdue(self, pool: PoolRecord) -> None:
+        self.overdue.append(pool.name)
+
+    def reclaim_completed(self, gpu: str, seconds: float) -> None:
+        self.completed.append(seconds)
+
+
+def admit(books: Books, pod: str, pid: int, now: float = 0.0, **overrides: object) -> int:
+    admission = books.admit(hello(pod, **overrides), pid, now)
+    assert admission.record is not None, admission.reason
+    return admission.record.id
+
+
+def leases(sends: list[Send]) -> dict[int, int]:
+    return {s.key: s.message.limit for s in sends if isinstance(s.message, Lease)}
+
+
+def reclaims(sends: list[Send]) -> dict[int, Reclaim]:
+    return {s.key: s.message for s in sends if isinstance(s.message, Reclaim)}
+
+
+def ack(books: Books, pool_id: int, reclaim: Reclaim, now: float) -> list[Send]:
+    return books.report(
+        pool_id, Report(mapped=reclaim.limit, used=0, cached=0, reserved=0, ack=reclaim.seq), now
+    )
+
+
+def test_admission_guarantees_min_and_refuses_what_cannot_fit() -> None:
+    books = Books([GPU], headroom=GIB)
+    first = books.admit(hello("a", kv_min=4 * GIB, static=6 * GIB), 10, 0.0)
+    assert first.record is not None
+    assert first.record.lease == 4 * GIB  # the minimum is granted at once
+    refused = books.admit(hello("b", kv_min=4 * GIB, static=2 * GIB), 11, 0.0)
+    assert refused.record is None
+    assert refused.reason.startswith("fit: static 2.0Gi + kv min 4.0Gi does not fit on GPU 0")
+    assert "5.0Gi left of 16.0Gi" in refused.reason
+    books.check()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "fragment"),
+    [
+        ({"version": 99}, "protocol version 99 is not supported"),
+        ({"gpu": "GPU-elsewhere"}, "unknown GPU 'GPU-elsewhere'"),
+        ({"page_size": 1000}, "page size 1000"),
+        ({"kv_max": GIB // 2}, "kv max 512.0Mi is below kv min 1.0Gi"),
+        ({"priority": 5000}, "priority 5000 is outside 0-1000"),
+    ],
+)
+def test_bad_hellos_are_refused_with_a_reason(overrides: dict[str, object], fragment: str) -> None:
+    books = Books([GPU], headroom=GIB)
+    admission = books.admit(hello("a", **overrides), 10, 0.0)
+    assert admission.record is None
+    assert fragment in admission.reason
+    assert books.pools() == []
+
+
+def test_growth_is_granted_while_free_page_aligned_and_capped_at_max() -> None:
+    books = Books([GPU], headroom=GIB)
+    pool = admit(books, "a", 10, kv_max=5 * GIB + 3 * PAGE + 1)
+    sends = books.want(pool, 1, 3 * GIB + 1, 1.0)
+    assert sends == [Send("pool", pool, Lease(seq=1, limit=3 * GIB + PAGE, reason="granted"))]
+    sends = books.want(pool, 2, 20 * GIB, 2.0)
+    assert leases(sends) == {pool: 5 * GIB + 3 * PAGE}
+    assert sends[0].message.reason.startswith("max:")
+
+
+def test_contention_reclaims_lowest_priority_first_and_hands_over_only_after_release() -> None:
+    books = Books([GPU], headroom=GIB)  # budget: 16 - 1 - 3 * 2 static = 9 GiB
+    low = admit(books, "low", 10, priority=10)
+    mid = admit(books, "mid", 11, priority=50)
+    assert leases(books.want(low, 1, 4 * GIB, 1.0)) == {low: 4 * GIB}
+    assert leases(books.want(mid, 1, 4 * GIB, 1.0)) == {mid: 4 * GIB}
+    high = admit(books, "high", 12, priority=500)
+    sends = books.want(high, 1, 4 * GIB, 2.0)
+    # 0 unleased: the newcomer got only its guaranteed minimum, taken from nobody's lease
+    # (min is set aside at admission) ... and its growth waits for a reclaim from "low".
+    assert leases(sends) == {high: GIB}
+    asked = reclaims(sends)
+    assert set(asked) == {low}
+    assert books.view(2.0).gpus[0].unleased >= 0
+    # Nothing is handed over before "low" says it released the memory.
+    assert books.pool(high).lease == GIB  # type: ignore[union-attr]
+    granted = leases(ack(books, low, asked[low], 3.0))
+    assert granted[high] > GIB
+    books.check()
+    assert books.view(3.0).gpus[0].unleased >= 0
+
+
+def test_a_missed_deadline_is_reported_and_the_memory_stays_charged() -> None:
+    events = RecordingEvents()
+    books = Books([GPU], headroom=GIB, reclaim_deadline_s=5.0, events=events)
+    hog = admit(books, "hog", 10, priority=1)
+    books.want(hog, 1, 8 * GIB, 0.0)
+    books.report(hog, Report(mapped=8 * GIB, used=0, cached=0, reserved=0), 0.0)
+    other = admit(books, "other", 11, priority=100)
+    asked = reclaims(books.want(other, 1, 4 * GIB, 1.0))
+    assert hog in asked
+    charged = books.pool(hog).charge  # type: ignore[union-attr]
+    _, removed = books.tick(7.0)
+    assert events.overdue == ["ns/hog"]
+    assert removed == []
+    view = {p.name: p for p in books.view(7.0).pools}
+    assert view["ns/hog"].reclaim_overdue
+    assert view["ns/hog"].charged == charged  # not silently handed to "other"
+    assert books.view(7.0).gpus[0].unleased >= 0
+    # A late release still completes the reclaim and clears the flag.
+    ack(books, hog, asked[hog], 9.0)
+    assert not {p.name: p for p in books.view(9.0).pools}["ns/hog"].reclaim_overdue
+    assert events.completed == [pytest.approx(8.0)]
+
+
+def test_a_pool_that_leaves_returns_its_lease_to_waiters() -> None:
+    books = Books([GPU], headroom=GIB)
+    a = admit(books, "a", 10)
+    b = admit(books, "b", 11)
+    books.want(a, 1, 10 * GIB, 0.0)  # budget 16 - 1 - 2 * 2 = 11 GiB, 1 GiB set aside for b
+    books.report(a, Report(mapped=10 * GIB, used=10 * GIB, cached=0, reserved=0), 0.0)
+    books.want(b, 1, 2 * GIB, 1.0)  # a's blocks are in use: b waits
+    assert books.pool(b).lease == GIB  # type: ignore[union-attr]
+    sends = books.remove(a, "exited", 2.0)
+    assert leases(sends) == {b: 2 * GIB}
+    books.check()
+
+
+def test_startup_turns_go_one_at_a_time_and_reserve_room() -> None:
+    books = Books([GPU], headroom=GIB)
+    first = books.turn_request(1, TurnRequest(seq=1, gpu=GPU.uuid, static=4 * GIB), 100, 0.0)
+    assert [s.message for s in first] == [TurnGranted(seq=1, hold_s=600.0)]
+    second = books.turn_request(2, TurnRequest(seq=1, gpu=GPU.uuid, static=4 * GIB), 101, 0.0)
+    assert second == []  # queued behind the first
+    assert books.view(0.0).gpus[0].static == 4 * GIB
+    # The engine's pool takes over the reservation instead of counting it twice.
+    pool = admit(books, "engine", 100, static=4 * GIB, kv_min=GIB)
+    assert books.view(0.0).gpus[0].static == 4 * GIB
+    done = books.turn_done(1, 1.0)
+    assert [s.key for s in done if isinstance(s.message, TurnGranted)] == [2]
+    books.check()
+    assert books.pool(pool) is not None
+
+
+def test_a_startup_turn_waits_for_reclaimed_room_and_refuses_what_never_fits() -> None:
+    books = Books([GPU], headroom=GIB)
+    a = admit(books, "a", 10)
+    books.want(a, 1, 12 * GIB, 0.0)  # borrows everything
+    sends = books.turn_request(7, TurnRequest(seq=1, gpu=GPU.uuid, static=4 * GIB), 99, 1.0)
+    asked = reclaims(sends)
+    assert a in asked and not any(isinstance(s.message, TurnGranted) for s in sends)
+    granted = ack(books, a, asked[a], 2.0)
+    assert any(s.key == 7 and isinstance(s.message, TurnGranted) for s in granted)
+    refused = books.turn_request(8, TurnRequest(seq=2, gpu=GPU.uuid, static=14 * GIB), 98, 3.0)
+    assert isinstance(refused[0].message, TurnRefused)
+    assert "does not fit" in refused[0].message.reason
+
+
+def test_drain_reclaims_to_min_and_refuses_new_pools() -> None:
+    books = Books([GPU], headroom=GIB)
+    a = admit(books, "a", 10)
+    books.want(a, 1, 6 * GIB, 0.0)
+    asked = reclaims(books.set_draining(GPU.uuid, True, 1.0))
+    assert asked[a].limit == GIB
+    assert "draining" in books.admit(hello("b"), 11, 1.0).reason
+    ack(books, a, asked[a], 2.0)
+    denied = books.want(a, 2, 6 * GIB, 3.0)
+    assert denied[0].message.reason.startswith("draining")
+    assert leases(books.set_draining(GPU.uuid, False, 4.0)) == {a: 6 * GIB}
+
+
+def test_lowering_max_reclaims_down_to_it() -> None:
+    books = Books([GPU], headroom=GIB)
+    a = admit(books, "a", 10)
+    books.want(a, 1, 6 * GIB, 0.0)
+    asked = reclaims(books.set_max(a, 3 * GIB, 1.0))
+    assert asked[a].limit == 3 * GIB
+    with pytest.raises(ValueError, match="below pool ns/a's kv min"):
+        books.set_max(a, GIB // 4, 1.0)
+
+
+def test_after_a_restart_nothing_is_granted_until_every_pool_re_declared() -> None:
+    expected = [ExpectedPool(pid=10, name="ns/a", gpu=GPU.uuid, static=2 * GIB, kv_min=GIB)]
+    books = Books([GPU], headroom=GIB, expected=expected, recovery_deadline=30.0)
+    assert books.recovering
+    newcomer = admit(books, "new", 20)
+    denied = books.want(newcomer, 1, 4 * GIB, 1.0)
+    assert denied[0].message.reason.startswith("recovering")
+    resumed = books.admit(hello("a", resume=True, held=6 * GIB, lease=7 * GIB), 10, 2.0)
+    assert resumed.record is not None and resumed.record.lease == 7 * GIB
+    assert not books.recovering
+    # Recovery over: the waiting newcomer is served from what is left.
+    assert leases(resumed.sends)[newcomer] > GIB
+    books.check()
+
+
+def test_recovery_gives_up_on_pools_that_never_return() -> None:
+    expected = [ExpectedPool(pid=10, name="ns/a", gpu=GPU.uuid, static=2 * GIB, kv_min=GIB)]
+    books = Books([GPU], headroom=GIB, expected=expected, recovery_deadline=30.0)
+    books.tick(31.0)
+    assert not books.recovering
+
+
+@pytest.mark.parametrize(
+    ("capacity", "pools", "expected"),
+    [
+        (10, [(1, 1, 10, 1), (2, 1, 10, 1)], {1: 5, 2: 5}),
+        (10, [(1, 1, 2, 1), (2, 1, 10, 1)], {1: 2, 2: 8}),
+        (12, [(1, 0, 12, 1), (2, 0, 12, 3)], {1: 3, 2: 9}),
+        (4, [(1, 3, 3, 1), (2, 3, 9, 1)], {1: 3, 2: 3}),
+    ],
+)
+def test_fair_shares_are_weighted_max_min(
+    capacity: int, pools: list[tuple[int, int, int, int]], expected: dict[int, int]
+) -> None:
+    assert fair_shares(capacity, pools) == expected
+
+
+# --- property: compliant pools never over-commit the GPU --------------------------------
+
+
+@dataclass
+class SimPool:
+    """A pool process that holds at most its lease and releases when reclaimed."""
+
+    id: int
+    lease: int = 0
+    held: int = 0
+    pending: list[Reclaim] = field(default_factory=list)
+
+
+def deliver(pools: dict[int, SimPool], sends: list[Send]) -> None:
+    for send in sends:
+        pool = pools.get(send.key)
+        if pool is None or send.to != "pool":
+            continue
+        if isinstance(send.message, Lease):
+            pool.lease = send.message.limit
+        elif isinstance(send.message, Reclaim):
+            pool.lease = send.message.limit
+            pool.pending.append(send.message)
+
+
+_start = st.tuples(st.just("start"), st.integers(0, 1000), st.integers(0, 3), st.integers(0, 3))
+_want = st.tuples(st.just("want"), st.integers(0, 7), st.integers(0, 14 * 1024))
+operation = st.one_of(
+    _start,
+    _start,
+    _want,
+    _want,
+    _want,
+    st.tuples(st.just("use"), st.integers(0, 7), st.floats(0, 1)),
+    st.tuples(st.just("release"), st.integers(0, 7)),
+    st.tuples(st.just("leave"), st.integers(0, 7)),
+    st.tuples(st.just("tick"), st.floats(0, 20)),
+    st.tuples(st.just("drain"), st.booleans()),
+)
+
+
+class Node:
+    """Engines that start the way real ones do (start-up turn, then the pool's hello) and
+    pools that hold at most their lease and release what is reclaimed."""
+
+    def __init__(self) -> None:
+        self.books = Books([GPU], headroom=GIB, reclaim_deadline_s=5.0)
+        self.pools: dict[int, SimPool] = {}
+        self.starting: dict[int, Hello] = {}
+        self.now = 0.0
+
+    def deliver(self, sends: list[Send]) -> None:
+        deliver(self.pools, sends)
+        for send in sends:
+            if send.to == "turn" and isinstance(send.message, TurnGranted):
+                self.started(send.key)
+
+    def start(self, priority: int, min_gib: int, static_gib: int) -> None:
+        key = 1000 + len(self.starting) + len(self.pools) + int(self.now * 1000)
+        engine = hello(f"p{key}", priority=priority, kv_min=min_gib * GIB, static=static_gib * GIB)
+        self.starting[key] = engine
+        request = TurnRequest(seq=1, gpu=GPU.uuid, static=engine.static, kv_min=engine.kv_min)
+        sends = self.books.turn_request(key, request, key, self.now)
+        if any(isinstance(s.message, TurnRefused) for s in sends):
+            del self.starting[key]
+        self.deliver(sends)
+
+    def started(self, key: int) -> None:
+        engine = self.starting.pop(key)
+        result = self.books.admit(engine, key, self.now)
+        assert result.record is not None, result.reason
+        self.pools[result.record.id] = SimPool(result.record.id, lease=result.record.lease)
+        self.deliver(result.sends)
+        self.deliver(self.books.turn_done(key, self.now))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(operation, min_size=10, max_size=80))
+def test_compliant_pools_never_hold_more_than_the_budget(ops: list[tuple[object, ...]]) -> None:
+    node = Node()
+    books, pools = node.books, node.pools
+    for op in ops:
+        kind = op[0]
+        if kind == "start":
+            node.start(int(op[1]), int(op[2]), int(op[3]))  # type: ignore[call-overload]
+        elif pools and kind in ("want", "use", "release", "leave"):
+            pool = list(pools.values())[int(op[1]) % len(pools)]  # type: ignore[call-overload]
+            if kind == "want":
+                node.deliver(books.want(pool.id, 1, int(op[2]) * 2**20, node.now))  # type: ignore[call-overload]
+            elif kind == "use":
+                pool.held = int(pool.lease * float(op[2])) // PAGE * PAGE  # type: ignore[arg-type]
+                node.deliver(books.report(pool.id, Report(pool.held, pool.held, 0, 0), node.now))
+            elif kind == "release" and pool.pending:
+                reclaim = pool.pending.pop()
+                pool.pending.clear()
+                pool.held = min(pool.held, reclaim.limit)
+                report = Report(pool.held, pool.held, 0, 0, ack=reclaim.seq)
+                node.deliver(books.report(pool.id, report, node.now))
+            elif kind == "leave":
+                del pools[pool.id]
+                node.deliver(books.remove(pool.id, "bye", node.now))
+        elif kind == "tick":
+            node.now += float(op[1])  # type: ignore[arg-type]
+            sends, _ = books.tick(node.now)
+            node.deliver(sends)
+        elif kind == "drain":
+            node.deliver(books.set_draining(GPU.uuid, bool(op[1]), node.now))
+        books.check()
+        gpu = books.view(node.now).gpus[0]
+        budget = gpu.total - gpu.headroom - gpu.static
+        # What the pools physically hold never exceeds what the GPU can give them...
+        assert sum(p.held for p in pools.values()) <= budget
+        # ... because every byte held is charged, and charges never exceed the budget.
+        assert gpu.unleased >= 0
+        for sim in pools.values():
+            record = books.pool(sim.id)
+            assert record is not None
+            assert sim.held <= record.charge
+            assert record.lease == sim.lease
+            assert record.kv_max is None or record.lease <= max(record.kv_max, record.kv_min)
+
+
+def test_an_engine_that_skipped_its_turn_makes_the_broker_reclaim_room_for_its_weights() -> None:
+    books = Books([GPU], headroom=GIB)
+    borrower = admit(books, "borrower", 10, static=0, kv_min=0)
+    books.want(borrower, 1, 14 * GIB, 0.0)
+    late = books.admit(hello("late", static=4 * GIB, kv_min=GIB), 11, 1.0)
+    assert late.record is not None
+    assert books.view(1.0).gpus[0].unleased < 0  # the weights are on the GPU already
+    asked = reclaims(late.sends)
+    assert asked[borrower].limit <= 14 * GIB - 5 * GIB
+
+
+def test_a_reclaim_below_blocks_that_went_into_use_asks_for_what_can_be_given() -> None:
+    events = RecordingEvents()
+    books = Books([GPU], headroom=GIB, reclaim_deadline_s=5.0, events=events)
+    a = admit(books, "a", 10, priority=1)
+    books.want(a, 1, 8 * GIB, 0.0)
+    books.report(a, Report(mapped=GIB, used=GIB, cached=0, reserved=0), 0.0)
+    b = admit(books, "b", 11, priority=500)
+    asked = reclaims(books.want(b, 1, 8 * GIB, 1.0))[a]
+    # Meanwhile A's engine filled 3 GiB of blocks under its old lease.
+    used = asked.limit + GIB
+    again = reclaims(books.report(a, Report(mapped=used, used=used, cached=0, reserved=0), 2.0))
+    assert again[a].limit == used and again[a].seq != asked.seq
+    assert again[a].deadline_s == pytest.approx(5.0 - 1.0)  # the first deadline still holds
+    granted = leases(ack(books, a, again[a], 3.0))
+    assert granted[b] > books.pool(b).kv_min  # type: ignore[union-attr]
+    assert events.overdue == []
+
+
+def test_an_unknown_pool_re_declaring_memory_gets_only_unleased_memory() -> None:
+    books = Books([GPU], headroom=GIB)
+    a = admit(books, "a", 10)
+    books.want(a, 1, 8 * GIB, 0.0)
+    claim = hello("a", resume=True, held=11 * GIB, lease=11 * GIB)  # never admitted here
+    impostor = books.admit(claim, 99, 1.0)
+    assert impostor.record is not None and impostor.record.id != a
+    assert impostor.record.lease <= books.view(1.0).gpus[0].unleased + impostor.record.lease
+    assert reclaims(impostor.sends).keys() == {impostor.record.id}  # asked to shrink itself
+    assert books.pool(a).lease == 8 * GIB and books.pool(a).reclaim is None  # type: ignore[union-attr]
+    books.check()
+
+
+def test_draining_refuses_engines_waiting_for_their_turn() -> None:
+    books = Books([GPU], headroom=GIB)
+    books.turn_request(1, TurnRequest(seq=1, gpu=GPU.uuid, static=GIB), 100, 0.0)
+    books.turn_request(2, TurnRequest(seq=1, gpu=GPU.uuid, static=GIB), 101, 0.0)
+    sends = books.set_draining(GPU.uuid, True, 1.0)
+    refused = [s for s in sends if isinstance(s.message, TurnRefused)]
+    assert [s.key for s in refused] == [2] and "draining" in refused[0].message.reason
+    # The engine that already holds its turn may still finish starting.
+    assert admit(books, "starting", 100, static=GIB, kv_min=0) > 0

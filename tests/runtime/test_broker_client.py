@@ -1,0 +1,177 @@
+"""The broker client as a pool uses it: choosing a lease source from the environment,
+admission and its refusals, start-up turns, and reconnecting to a restarted broker.
+
+A real broker (``kvshare.deviceplugin.broker.Broker``) serves on a real unix socket in
+this process; the runtime code under test imports nothing of it.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvshare.deviceplugin.broker import Broker, BrokerConfig
+from kvshare.deviceplugin.inventory import parse_fake_gpus
+from kvshare.runtime.broker_client import (
+    AdmissionRefusedError,
+    BrokerLease,
+    BrokerUnavailableError,
+    PoolIdentity,
+    PoolPolicy,
+    StartupTurnRefusedError,
+    StartupTurnTimeoutError,
+    startup_turn,
+)
+from kvshare.runtime.lease import PoolUsage, StaticLease
+from kvshare.runtime.leases import LeaseConfigError, lease_from_env
+
+from .support import wait_until
+
+GIB = 2**30
+GPU = parse_fake_gpus("1x8Gi", "client-test")[0]
+
+
+class Holder:
+    def __init__(self) -> None:
+        self.limits: list[int] = []
+        self.lease: BrokerLease | None = None
+
+    def lease_changed(self, limit: int) -> None:
+        self.limits.append(limit)
+        if self.lease is not None:  # a pool reports after every lease change
+            self.lease.report(PoolUsage(mapped=0, used=0, cached=0, reserved=0))
+
+
+@pytest.fixture
+def run_dir() -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="kvc", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def start_broker(run_dir: Path) -> Broker:
+    broker = Broker(
+        [GPU],
+        BrokerConfig(
+            socket_path=run_dir / "broker.sock",
+            state_path=run_dir / "broker.state",
+            headroom=GIB,
+            recovery_s=10.0,
+        ),
+    )
+    broker.start()
+    return broker
+
+
+@pytest.fixture
+def broker(run_dir: Path) -> Iterator[Broker]:
+    broker = start_broker(run_dir)
+    yield broker
+    broker.stop()
+
+
+def lease_for(run_dir: Path, **policy: int) -> BrokerLease:
+    return BrokerLease(
+        GPU.uuid,
+        policy=PoolPolicy(**policy),
+        identity=PoolIdentity(namespace="llm", pod="qwen-0"),
+        socket_path=str(run_dir / "broker.sock"),
+    )
+
+
+def test_lease_from_env_picks_the_broker_a_fixed_limit_or_says_what_is_missing(
+    broker: Broker, run_dir: Path
+) -> None:
+    socket_path = str(run_dir / "broker.sock")
+    chosen = lease_from_env(
+        environ={"KVSHARE_BROKER_SOCKET": socket_path, "KVSHARE_GPU_UUIDS": f"GPU-x,{GPU.uuid}",
+                 "KVSHARE_KV_MIN": "1Gi", "KVSHARE_POD_NAME": "qwen-0"},
+        rank=1, tp_size=2, engine="vllm",
+    )  # fmt: skip
+    assert isinstance(chosen, BrokerLease)
+    assert chosen.gpu == GPU.uuid and chosen.policy.kv_min == GIB
+    assert chosen.identity == PoolIdentity(pod="qwen-0", rank=1, tp_size=2, engine="vllm")
+    absent = str(run_dir / "absent.sock")
+    fixed = lease_from_env(environ={"KVSHARE_BROKER_SOCKET": absent, "KVSHARE_KV_LIMIT": "8Gi"})
+    assert isinstance(fixed, StaticLease) and fixed.limit() == 8 * GIB
+    with pytest.raises(LeaseConfigError, match="KVSHARE_KV_LIMIT is not set"):
+        lease_from_env(environ={"KVSHARE_BROKER_SOCKET": absent})
+    with pytest.raises(LeaseConfigError, match="KVSHARE_GPU_UUIDS is not set"):
+        lease_from_env(environ={"KVSHARE_BROKER_SOCKET": socket_path})
+
+
+def test_a_pool_is_admitted_with_its_minimum_and_grows_in_chunks(
+    broker: Broker, run_dir: Path
+) -> None:
+    lease = lease_for(run_dir, kv_min=GIB)
+    holder = Holder()
+    holder.lease = lease
+    lease.attach(holder)
+    try:
+        assert lease.limit() == GIB and lease.name == "llm/qwen-0"
+        lease.want(GIB + 1)  # rounded up to a whole chunk (16 pages of 2 MiB)
+        wait_until(lambda: lease.limit() == GIB + 32 * 2**20)
+        assert holder.limits == [GIB + 32 * 2**20]
+    finally:
+        lease.close()
+    wait_until(lambda: not broker.view().pools)  # the goodbye returned the lease
+
+
+def test_refusals_and_a_missing_broker_are_clear_errors(broker: Broker, run_dir: Path) -> None:
+    with pytest.raises(AdmissionRefusedError, match=r"fit: static 0 \+ kv min 64.0Gi"):
+        lease_for(run_dir, kv_min=64 * GIB).attach(Holder())
+    missing = BrokerLease(GPU.uuid, policy=PoolPolicy(), socket_path=str(run_dir / "x.sock"))
+    with pytest.raises(BrokerUnavailableError, match="is the kvshare node agent running"):
+        missing.attach(Holder())
+
+
+def test_startup_turns_wait_time_out_and_refuse_what_cannot_fit(
+    broker: Broker, run_dir: Path
+) -> None:
+    socket_path = str(run_dir / "broker.sock")
+    with startup_turn(GPU.uuid, static_bytes=GIB, socket_path=socket_path) as hold_s:
+        assert hold_s > 0
+        waiting = startup_turn(GPU.uuid, socket_path=socket_path, timeout_s=0.3)
+        with pytest.raises(StartupTurnTimeoutError, match="KVSHARE_STARTUP_TIMEOUT"):
+            waiting.__enter__()
+    too_big = startup_turn(GPU.uuid, static_bytes=100 * GIB, socket_path=socket_path)
+    with pytest.raises(StartupTurnRefusedError, match="does not fit"):
+        too_big.__enter__()
+
+
+def test_a_pool_reconnects_and_re_declares_to_a_restarted_broker(run_dir: Path) -> None:
+    broker = start_broker(run_dir)
+    lease = lease_for(run_dir, kv_min=GIB)
+    holder = Holder()
+    holder.lease = lease
+    lease.attach(holder)
+    try:
+        lease.want(3 * GIB)
+        wait_until(lambda: lease.limit() == 3 * GIB)
+        broker.stop()
+        wait_until(lambda: not lease.connected())
+        assert lease.limit() == 3 * GIB  # the pool keeps its lease while the broker is away
+        broker = start_broker(run_dir)
+        wait_until(lease.connected, timeout=30)
+        wait_until(lambda: [p.lease for p in broker.view().pools] == [3 * GIB])
+        assert not broker.view().recovering
+    finally:
+        lease.close()
+        broker.stop()
+
+
+def test_the_runtime_side_never_imports_the_node_agent() -> None:
+    code = (
+        "import sys, kvshare.runtime.broker_client, kvshare.runtime.leases; "
+        "bad = [m for m in sys.modules if m.startswith(('kvshare.deviceplugin', "
+        "'kvshare.operator', 'grpc', 'prometheus_client', 'kubernetes', 'pydantic'))]; "
+        "print(bad); sys.exit(1 if bad else 0)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
