@@ -9,7 +9,21 @@ that line's environment from ``tools/engine_env.py`` on ``PYTHONPATH`` and
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
 
 SUITE_VARIABLE = "KVSHARE_ENGINE_SUITE"
 
 collect_ignore = [] if os.environ.get(SUITE_VARIABLE) else ["vllm", "sglang"]
+
+
+@pytest.fixture
+def short_tmp() -> Iterator[Path]:
+    """A short directory for unix sockets (paths must stay under 108 bytes)."""
+    path = Path(tempfile.mkdtemp(prefix="kvs", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)

@@ -19,12 +19,16 @@ __all__ = ["AgreedLease"]
 
 
 class AgreedLease(LeaseSource):
-    """Wraps a rank's own lease; :meth:`limit` is the group's agreed limit."""
+    """Wraps a rank's own lease; :meth:`limit` is the group's agreed limit.
+
+    Until the group first agrees (the scheduler's first iteration), the pool follows the
+    rank's own lease: it needs page 0 for its null block before any scheduler runs.
+    """
 
     def __init__(self, own: LeaseSource) -> None:
         self._own = own
         self._lock = threading.Lock()  # guards _agreed and _holder
-        self._agreed = own.limit()
+        self._agreed: int | None = None
         self._holder: LeaseHolder | None = None
 
     def attach(self, holder: LeaseHolder) -> None:
@@ -33,8 +37,11 @@ class AgreedLease(LeaseSource):
         self._own.attach(self)
 
     def lease_changed(self, limit: int) -> None:
-        """The rank's own lease moved; the pool follows at the group's next agreement."""
-        del limit
+        """The rank's own lease moved; once the group agrees, the pool follows the group."""
+        with self._lock:
+            holder = self._holder if self._agreed is None else None
+        if holder is not None:
+            holder.lease_changed(limit)
 
     def own_limit(self) -> int:
         """This rank's own lease, which the group takes into its next agreement."""
@@ -51,7 +58,8 @@ class AgreedLease(LeaseSource):
 
     def limit(self) -> int:
         with self._lock:
-            return self._agreed
+            agreed = self._agreed
+        return self._own.limit() if agreed is None else agreed
 
     def want(self, total_bytes: int) -> None:
         self._own.want(total_bytes)
