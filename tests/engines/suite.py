@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
 from kvshare.api import env
 from kvshare.api.engines import SupportedLine, find_line
+from kvshare.runtime.engines import pools
 from kvshare.runtime.engines.activation import engine_version
 from kvshare.runtime.engines.pools import Role
 from kvshare.runtime.lease import LeaseSource
@@ -44,3 +46,18 @@ def eventually(
         step()
         time.sleep(0.01)
     return True
+
+
+def standalone_host_pools(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, *, page_size: int, lease: int
+) -> None:
+    """Pools on the host backend with a lease the test moves, no node agent, no reserve."""
+    monkeypatch.setattr(pools, "lease_for", movable_lease)
+    for variable, value in (
+        (env.BACKEND, "host"),
+        (env.PAGE_SIZE, str(page_size)),
+        (env.KV_LIMIT, str(lease)),
+        (env.RESERVE_PAGES, "0"),
+        (env.BROKER_SOCKET, str(tmp_path / "no-broker.sock")),
+    ):
+        monkeypatch.setenv(variable.name, value)

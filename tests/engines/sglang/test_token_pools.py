@@ -10,6 +10,7 @@ from __future__ import annotations
 import array
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,7 +20,7 @@ from kvshare.api.engines import parse_release
 from kvshare.runtime.engines import pools, sglang_common
 from kvshare.runtime.engines.activation import activate, engine_version
 from kvshare.runtime.pool import KVPool
-from tests.engines.suite import eventually, movable_lease
+from tests.engines.suite import eventually, standalone_host_pools
 
 HEADS, HEAD_DIM, LAYERS = 2, 64, 2
 ROW = HEADS * HEAD_DIM * 2  # bytes of one token's K (or V) in one layer, float16
@@ -77,14 +78,11 @@ def build(page_size: int) -> Cache:
 
 
 @pytest.fixture
-def env(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> Iterator[None]:
+def env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
     activate("sglang")
-    monkeypatch.setattr(pools, "lease_for", movable_lease)
-    monkeypatch.setenv("KVSHARE_BACKEND", "host")
-    monkeypatch.setenv("KVSHARE_PAGE_SIZE", str(PAGE))
-    monkeypatch.setenv("KVSHARE_KV_LIMIT", str(LEASE_PAGES * 2 * LAYERS * PAGE))
-    monkeypatch.setenv("KVSHARE_RESERVE_PAGES", "0")
-    monkeypatch.setenv("KVSHARE_BROKER_SOCKET", str(tmp_path / "no-broker.sock"))
+    standalone_host_pools(
+        monkeypatch, tmp_path, page_size=PAGE, lease=LEASE_PAGES * 2 * LAYERS * PAGE
+    )
     try:
         yield
     finally:

@@ -13,6 +13,7 @@ import itertools
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -22,7 +23,7 @@ from kvshare.runtime.engines import pools, vllm_blocks, vllm_common
 from kvshare.runtime.engines.activation import activate
 from kvshare.runtime.pool import KVPool
 from kvshare.runtime.rank_server import RankServer
-from tests.engines.suite import eventually, movable_lease
+from tests.engines.suite import eventually, standalone_host_pools
 from tests.engines.vllm.kv_setup import (
     BLOCK_TOKENS,
     LAYERS,
@@ -58,17 +59,14 @@ class Engine:
 
 
 @pytest.fixture
-def engine(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> Iterator[Engine]:
+def engine(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Engine]:
     from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.worker import gpu_model_runner
 
     activate("vllm")
-    monkeypatch.setattr(pools, "lease_for", movable_lease)
-    monkeypatch.setenv("KVSHARE_BACKEND", "host")
-    monkeypatch.setenv("KVSHARE_PAGE_SIZE", str(PAGE))
-    monkeypatch.setenv("KVSHARE_KV_LIMIT", str(LEASE_PAGES * len(LAYERS) * PAGE))
-    monkeypatch.setenv("KVSHARE_RESERVE_PAGES", "0")
-    monkeypatch.setenv("KVSHARE_BROKER_SOCKET", str(tmp_path / "no-broker.sock"))
+    standalone_host_pools(
+        monkeypatch, tmp_path, page_size=PAGE, lease=LEASE_PAGES * len(LAYERS) * PAGE
+    )
     config, layout = kv_cache_config(VIRTUAL)
     group = vllm_common.Group(f"t{os.getpid()}-{next(_groups)}", 1)
     with vllm_common.worker_context(group, 0):
