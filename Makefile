@@ -13,8 +13,12 @@ DEMO_STAMP := $(VENV)/.demo-installed
 # The kubelet device plugin API stubs, generated from the .proto (never committed).
 PROTO_DIR   := src/kvshare/deviceplugin/v1beta1
 PROTO_STUBS := $(PROTO_DIR)/api_pb2.py
+# Tools the chart tests run, unpacked once into a git-ignored folder (cached wheels too).
+TOOLS := .tools
+HELM  := $(TOOLS)/bin/helm
+CHART := charts/kvshare
 
-.PHONY: help venv proto engines test lint format bench demo docs clean
+.PHONY: help venv proto engines test lint format bench demo docs clean tools prometheus crds rbac dashboard runtime-bundle
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -e 's/:.*## /\t/'
@@ -38,10 +42,18 @@ $(PROTO_STUBS): $(PROTO_DIR)/api.proto src/kvshare/deviceplugin/protogen.py $(DE
 
 proto: $(PROTO_STUBS)  ## generate the kubelet device plugin API stubs from the .proto
 
+$(HELM): tools/fetch_helm.py | $(PY)
+	$(PY) tools/fetch_helm.py --dest $@ --cache $(TOOLS)/cache
+
+prometheus:  ## Prometheus + promtool from Debian's package (apt-get, as root; idempotent)
+	@bash tools/install-prometheus.sh
+
+tools: $(HELM) prometheus  ## the binaries the chart tests run: helm, prometheus, promtool
+
 engines: $(DEV_STAMP)  ## install the pinned vLLM/SGLang test environments into .engines/
 	$(PY) tools/engine_env.py build
 
-test: $(DEV_STAMP) $(PROTO_STUBS) engines  ## run the test suite
+test: $(DEV_STAMP) $(PROTO_STUBS) tools engines  ## run the test suite
 	$(PY) -m pytest
 
 lint: $(DEV_STAMP) $(PROTO_STUBS)  ## ruff (lint + format check) and mypy
@@ -62,5 +74,18 @@ demo:  ## the elastic-vs-static demo on this machine (no GPU, no cluster)
 docs: $(DEV_STAMP)  ## regenerate the README's generated tables
 	$(PY) tools/update_readme.py
 
+crds: $(DEV_STAMP)  ## write the chart's CRDs from kvshare.api (the one source)
+	$(VENV)/bin/kvshare crds > $(CHART)/crds/kvshare.io.yaml
+
+rbac: $(DEV_STAMP)  ## write the chart's RBAC rules from the programs' lists of API calls
+	$(PY) tools/chart_rbac.py
+
+dashboard: $(DEV_STAMP)  ## write the chart's Grafana dashboard from tools/dashboard.py
+	$(PY) tools/dashboard.py > $(CHART)/dashboards/kvshare.json
+
+runtime-bundle: $(DEV_STAMP)  ## build the injected runtime into out/runtime (as the image does)
+	$(PY) tools/runtime_bundle.py --out out/runtime --wheelhouse $(TOOLS)/wheels \
+		--python-versions $(shell $(PY) -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
+
 clean:  ## remove the virtualenv and caches
-	rm -rf $(VENV) .engines .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(TOOLS) .engines out .pytest_cache .mypy_cache .ruff_cache .hypothesis

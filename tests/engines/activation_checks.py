@@ -19,7 +19,8 @@ import pytest
 
 from kvshare.api import env
 from kvshare.api.engines import SUPPORTED, SupportedLine, supported_labels
-from kvshare.runtime.engines.bundle import BOOT_DIR, write_bundle
+from kvshare.runtime.engines.bootpath import BOOT_DIR
+from tests.engines.suite import injected_bundle
 
 CHILD_TIMEOUT_S = 300
 
@@ -91,7 +92,7 @@ def report(done: subprocess.CompletedProcess[str]) -> dict[str, object]:
 def test_enabled_bundle_on_pythonpath_patches_the_engine_and_chains_the_image_hook(
     line: SupportedLine, tmp_path: Path
 ) -> None:
-    bundle = write_bundle(tmp_path / "bundle")
+    bundle = injected_bundle(tmp_path / "bundle")
     image_site = tmp_path / "image-site"
     image_site.mkdir()
     (image_site / "sitecustomize.py").write_text(_CHAINED, encoding="utf-8")
@@ -105,7 +106,7 @@ def test_enabled_bundle_on_pythonpath_patches_the_engine_and_chains_the_image_ho
 def test_disabled_bundle_touches_nothing(line: SupportedLine, tmp_path: Path) -> None:
     if not newest(line, "vllm"):
         pytest.skip("checked once, on the newest vLLM line (nothing engine-specific runs)")
-    bundle = write_bundle(tmp_path / "bundle")
+    bundle = injected_bundle(tmp_path / "bundle")
     found = report(run_probe(line, [bundle], enable=False))
     assert found["activation_loaded"] is False
     assert found["activated"] == []
@@ -128,7 +129,7 @@ def test_unsupported_version_is_refused_with_the_supported_list(
 ) -> None:
     if not newest(line, "vllm"):
         pytest.skip("checked once, on the newest vLLM line (the refusal is engine-neutral)")
-    bundle = write_bundle(tmp_path / "bundle")
+    bundle = injected_bundle(tmp_path / "bundle")
     metadata = tmp_path / "old-metadata" / f"{line.engine}-0.0.1.dist-info"
     metadata.mkdir(parents=True)
     (metadata / "METADATA").write_text(

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from tools import runtime_bundle
 
 from kvshare.api import env
 from kvshare.api.engines import SupportedLine, find_line
@@ -61,3 +62,10 @@ def standalone_host_pools(
         (env.BROKER_SOCKET, str(tmp_path / "no-broker.sock")),
     ):
         monkeypatch.setenv(variable.name, value)
+
+
+def injected_bundle(directory: Path) -> Path:
+    """The runtime bundle as the image builds it (``tools/runtime_bundle.py``), without the
+    vendored cuda-python (the host backend needs none): what the operator injects."""
+    runtime_bundle.build(directory, directory.parent / "wheels", [])
+    return directory

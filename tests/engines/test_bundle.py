@@ -1,30 +1,28 @@
-"""The runtime bundle holds sitecustomize and a runtime that imports from the bundle alone."""
+"""The injected runtime bundle starts kvshare's engine hooks, or stays out of the way."""
 
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
 
-from kvshare.runtime.engines.bundle import API_MODULES, BOOT_DIR, main, write_bundle
+from kvshare.runtime.engines import bootpath
+from kvshare.runtime.engines.bootpath import BOOT_DIR
+from tests.engines.suite import injected_bundle
 
 
-def test_bundle_holds_sitecustomize_the_runtime_and_the_stdlib_api(tmp_path: Path) -> None:
-    bundle = write_bundle(tmp_path / "bundle")
-    assert (bundle / "sitecustomize.py").read_bytes() == (
-        BOOT_DIR / "sitecustomize.py"
-    ).read_bytes()
-    assert (bundle / "kvshare" / "runtime" / "pool.py").is_file()
-    assert (bundle / "kvshare" / "runtime" / "engines" / "registry.py").is_file()
-    assert (bundle / "kvshare" / "api" / "env.py").is_file()
-    assert not (bundle / "kvshare" / "api" / "modelserver.py").exists()  # pydantic stays out
-    assert not list(bundle.rglob("__pycache__"))
+def test_the_bundle_runs_the_engine_hooks_sitecustomize(tmp_path: Path) -> None:
+    bundle = injected_bundle(tmp_path / "bundle")
+    hooks = (bundle / "kvshare_engine_hooks.py").read_text(encoding="utf-8")
+    assert hooks == (BOOT_DIR / "sitecustomize.py").read_text(encoding="utf-8")
+    assert "kvshare_engine_hooks.py" in (bundle / "sitecustomize.py").read_text(encoding="utf-8")
+    assert (bundle / "kvshare" / "runtime" / "engines" / "activation.py").is_file()
+    assert (bundle / "kvshare" / "api" / "engines.py").is_file()
 
 
-def test_bundle_sitecustomize_without_enable_imports_no_runtime(tmp_path: Path) -> None:
-    bundle = write_bundle(tmp_path / "bundle")
+def test_a_disabled_bundle_imports_no_hooks(tmp_path: Path) -> None:
+    bundle = injected_bundle(tmp_path / "bundle")
     environ = dict(os.environ, PYTHONPATH=str(bundle), KVSHARE_ENABLE="0")
     code = (
         "import sys, kvshare; "
@@ -42,7 +40,7 @@ def test_bundle_sitecustomize_without_enable_imports_no_runtime(tmp_path: Path) 
 def test_a_bad_setting_stops_the_process_instead_of_starting_without_kvshare(
     tmp_path: Path,
 ) -> None:
-    bundle = write_bundle(tmp_path / "bundle")
+    bundle = injected_bundle(tmp_path / "bundle")
     environ = dict(os.environ, PYTHONPATH=str(bundle), KVSHARE_ENABLE="1", KVSHARE_LOG_LEVEL="LOUD")
     done = subprocess.run(
         [sys.executable, "-c", "print('engine started')"],
@@ -56,16 +54,12 @@ def test_a_bad_setting_stops_the_process_instead_of_starting_without_kvshare(
     assert "kvshare: cannot activate the engine hooks: KVSHARE_LOG_LEVEL='LOUD'" in done.stderr
 
 
-def test_boot_dir_is_printed_for_pip_installs(capsys: object) -> None:
-    assert main(["--boot-dir"]) == 0
-    assert capsys.readouterr().out.strip() == str(BOOT_DIR)  # type: ignore[attr-defined]
-
-
-def test_every_api_module_the_runtime_imports_is_in_the_bundle() -> None:
-    runtime = Path(__file__).resolve().parents[2] / "src" / "kvshare" / "runtime"
-    pattern = re.compile(r"from kvshare\.api(?:\.(\w+))? import (\w+)")
-    needed = set()
-    for path in runtime.rglob("*.py"):
-        for module, name in pattern.findall(path.read_text(encoding="utf-8")):
-            needed.add(f"{module or name}.py")
-    assert needed <= set(API_MODULES), sorted(needed - set(API_MODULES))
+def test_the_boot_directory_is_printed_for_pip_installs() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "kvshare.runtime.engines.bootpath"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert done.stdout.strip() == str(bootpath.BOOT_DIR)
+    assert (BOOT_DIR / "sitecustomize.py").is_file()

@@ -1,9 +1,10 @@
 """kvshare's start-up hook for model-server processes (``sitecustomize``).
 
 Python imports ``sitecustomize`` at start-up from the first ``sys.path`` entry that has
-one. The operator puts the runtime bundle (this file next to the ``kvshare`` package)
-first on ``PYTHONPATH``; with kvshare pip-installed, put this file's directory there
-(``python -m kvshare.runtime.engines.bundle --boot-dir`` prints it).
+one. The operator puts the runtime bundle first on ``PYTHONPATH`` (``tools/runtime_bundle.py``
+builds it; its generated ``sitecustomize`` runs this file's code); with kvshare
+pip-installed, put this file's directory there (``python -m kvshare.runtime.engines.bootpath``
+prints it).
 
 With ``KVSHARE_ENABLE=1`` it installs kvshare's import hooks for vLLM and SGLang (they
 import nothing until the engine is imported). Either way it then runs the

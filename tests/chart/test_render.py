@@ -1,0 +1,407 @@
+"""The chart renders, lints and validates with the real helm for every configuration users
+pick, and what it renders holds the properties the chart promises (least privilege on the
+node, GPU nodes only, monitoring only where the Prometheus Operator exists, ...).
+
+Objects of Kubernetes' own APIs are validated with kubernetes-validate (strict: unknown
+fields are errors) against Kubernetes 1.30 to 1.34; kvshare's and kopf's custom resources
+against their CRDs' schemas. Prometheus Operator and cert-manager objects have no schema
+offline: their rules are checked by promtool (test_alerts.py), their shape here.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from kvshare.api import env as env_module
+from kvshare.api import names
+from tests.chart.helm import (
+    CERT_MANAGER,
+    CHART,
+    PROMETHEUS_OPERATOR,
+    Rendered,
+    helm,
+    notes,
+    set_args,
+    template,
+)
+from tests.k8s_schema import admit
+
+KUBERNETES_VERSIONS = ("1.30", "1.31", "1.32", "1.33", "1.34")
+
+#: name -> (values, API groups the cluster serves). The matrix every check runs over.
+MATRIX: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
+    "defaults": ({}, ()),
+    "monitoring-with-prometheus-operator": ({"monitoring.enabled": True}, PROMETHEUS_OPERATOR),
+    "monitoring-without-prometheus-operator": ({"monitoring.enabled": True}, ()),
+    "webhook-helm-certificate": ({"webhook.enabled": True}, ()),
+    "webhook-cert-manager": (
+        {"webhook.enabled": True, "webhook.certificate.source": "cert-manager"},
+        CERT_MANAGER,
+    ),
+    "cdi": ({"cdi.enabled": True}, ()),
+    "custom-scheduling": (
+        {
+            # Helm merges maps with the defaults; null removes the default GPU label.
+            "nodeAgent.nodeSelector": {"gpu-pool": "inference", "nvidia.com/gpu.present": None},
+            "nodeAgent.tolerations": [
+                {"key": "dedicated", "operator": "Equal", "value": "llm", "effect": "NoSchedule"}
+            ],
+            "nodeAgent.affinity": {
+                "nodeAffinity": {
+                    "requiredDuringSchedulingIgnoredDuringExecution": {
+                        "nodeSelectorTerms": [
+                            {
+                                "matchExpressions": [
+                                    {"key": "gpu-type", "operator": "In", "values": ["h100"]}
+                                ]
+                            }
+                        ]
+                    }
+                }
+            },
+            "operator.nodeSelector": {"role": "system"},
+        },
+        (),
+    ),
+    "two-operator-replicas": ({"operator.replicas": 2}, ()),
+    "fake-gpus": ({"nodeAgent.fakeGpus": "2x80Gi", "nodeAgent.runtimeClassName": ""}, ()),
+    "everything": (
+        {
+            "monitoring.enabled": True,
+            "webhook.enabled": True,
+            "cdi.enabled": True,
+            "operator.replicas": 2,
+            "monitoring.labels": {"release": "kube-prometheus"},
+            "dashboard.annotations": {"grafana_folder": "kvshare"},
+            "image.digest": "sha256:" + "0" * 64,
+        },
+        PROMETHEUS_OPERATOR + CERT_MANAGER,
+    ),
+}
+_CASES = [pytest.param(values, apis, id=name) for name, (values, apis) in MATRIX.items()]
+
+
+def crd_schemas() -> dict[tuple[str, str], dict[str, Any]]:
+    """(apiVersion, kind) -> CRD of every CRD the chart ships."""
+    found = {}
+    for path in sorted((CHART / "crds").glob("*.yaml")):
+        for crd in yaml.safe_load_all(path.read_text(encoding="utf-8")):
+            for version in crd["spec"]["versions"]:
+                key = (f"{crd['spec']['group']}/{version['name']}", crd["spec"]["names"]["kind"])
+                found[key] = crd
+    return found
+
+
+#: Kinds whose schema is not available offline (see the module docstring).
+_NO_SCHEMA_OFFLINE = {
+    ("monitoring.coreos.com/v1", "ServiceMonitor"),
+    ("monitoring.coreos.com/v1", "PodMonitor"),
+    ("monitoring.coreos.com/v1", "PrometheusRule"),
+    ("cert-manager.io/v1", "Issuer"),
+    ("cert-manager.io/v1", "Certificate"),
+}
+
+
+@pytest.mark.parametrize(("values", "apis"), _CASES)
+def test_chart_lints_clean(values: dict[str, Any], apis: tuple[str, ...]) -> None:
+    done = helm("lint", "--strict", str(CHART), *set_args(values))
+    # --strict turns warnings into failures; the only INFO is the missing icon.
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+@pytest.mark.parametrize(("values", "apis"), _CASES)
+def test_every_rendered_object_is_valid_for_kubernetes_1_30_to_1_34(
+    values: dict[str, Any], apis: tuple[str, ...]
+) -> None:
+    rendered = template(values, apis)
+    crds = crd_schemas()
+    for obj in rendered.objects:
+        key = (obj["apiVersion"], obj["kind"])
+        if key in crds:
+            assert admit(crds[key], obj) == [], obj["metadata"]["name"]
+            continue
+        if key in _NO_SCHEMA_OFFLINE:
+            continue
+        for version in KUBERNETES_VERSIONS:
+            try:
+                kubernetes_validate.validate(obj, version, strict=True)
+            except kubernetes_validate.ValidationError as exc:
+                pytest.fail(f"{obj['kind']}/{obj['metadata']['name']} on {version}: {exc}")
+
+
+def test_chart_crds_are_exactly_what_kvshare_crds_prints() -> None:
+    from kvshare.api.crds import crds_yaml
+
+    shipped = (CHART / "crds" / "kvshare.io.yaml").read_text(encoding="utf-8")
+    assert shipped == crds_yaml(), "the chart's CRDs are stale: run `make crds`"
+
+
+def test_chart_version_follows_kvshare_version() -> None:
+    from kvshare import __version__
+
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text(encoding="utf-8"))
+    assert chart["version"] == chart["appVersion"] == __version__
+
+
+def _pod_spec(rendered: Rendered, kind: str) -> dict[str, Any]:
+    return dict(rendered.one(kind)["spec"]["template"]["spec"])
+
+
+def test_operator_runs_non_root_read_only_with_requests() -> None:
+    spec = _pod_spec(template(), "Deployment")
+    assert spec["securityContext"]["runAsNonRoot"] is True
+    (container,) = spec["containers"]
+    assert container["args"][0] == "operator"
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert container["securityContext"]["allowPrivilegeEscalation"] is False
+    assert container["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    assert set(container["resources"]["requests"]) == {"cpu", "memory"}
+
+
+def test_two_operator_replicas_get_peering_and_a_disruption_budget() -> None:
+    single, double = template(), template({"operator.replicas": 2})
+    assert single.of_kind("PodDisruptionBudget") == []
+    assert double.one("Deployment")["spec"]["replicas"] == 2
+    assert double.one("PodDisruptionBudget")["spec"]["minAvailable"] == 1
+    peering = double.one("ClusterKopfPeering")["metadata"]["name"]
+    args = _pod_spec(double, "Deployment")["containers"][0]["args"]
+    assert f"--peering={peering}" in args
+
+
+def test_node_agent_mounts_only_the_device_plugin_folder_and_run_kvshare() -> None:
+    spec = _pod_spec(template(), "DaemonSet")
+    host_paths = {v["hostPath"]["path"] for v in spec["volumes"] if "hostPath" in v}
+    assert host_paths == {names.DEVICE_PLUGIN_DIR, names.RUN_DIR}
+    (container,) = spec["containers"]
+    mounts = {m["mountPath"] for m in container["volumeMounts"]}
+    assert {names.DEVICE_PLUGIN_DIR, names.RUN_DIR} <= mounts
+    context = container["securityContext"]
+    assert not context.get("privileged", False)
+    assert context["capabilities"] == {"drop": ["ALL"]}
+    assert context["readOnlyRootFilesystem"] is True
+    assert not spec.get("hostNetwork", False)
+    assert container["ports"][0]["containerPort"] == names.METRICS_PORT
+
+
+def test_node_agent_runs_on_gpu_nodes_only_and_scheduling_is_configurable() -> None:
+    default = _pod_spec(template(), "DaemonSet")
+    assert default["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in default[
+        "tolerations"
+    ]
+    values, _ = MATRIX["custom-scheduling"]
+    custom = _pod_spec(template(values), "DaemonSet")
+    assert custom["nodeSelector"] == {"gpu-pool": "inference"}
+    assert custom["tolerations"] == values["nodeAgent.tolerations"]
+    assert custom["affinity"] == values["nodeAgent.affinity"]
+    assert _pod_spec(template(values), "Deployment")["nodeSelector"] == {"role": "system"}
+
+
+def test_cdi_and_fake_gpus_reach_the_node_agent_command_line() -> None:
+    args = _pod_spec(template(), "DaemonSet")["containers"][0]["args"]
+    assert not any(a.startswith(("--cdi", "--fake-gpus")) for a in args)
+    cdi = _pod_spec(template({"cdi.enabled": True}), "DaemonSet")["containers"][0]["args"]
+    assert "--cdi-kind=nvidia.com/gpu" in cdi
+    fake = template({"nodeAgent.fakeGpus": "2x80Gi"})
+    container = _pod_spec(fake, "DaemonSet")["containers"][0]
+    assert "--fake-gpus=2x80Gi" in container["args"]
+    # Declared GPUs need no NVIDIA runtime access.
+    assert "NVIDIA_VISIBLE_DEVICES" not in {e["name"] for e in container["env"]}
+
+
+def test_rbac_has_no_wildcards_and_binds_each_service_account() -> None:
+    rendered = template()
+    for role in rendered.of_kind("ClusterRole"):
+        for rule in role["rules"]:
+            for field in ("apiGroups", "resources", "verbs"):
+                assert "*" not in rule[field], (role["metadata"]["name"], rule)
+    accounts = {a["metadata"]["name"] for a in rendered.of_kind("ServiceAccount")}
+    bound = {b["subjects"][0]["name"] for b in rendered.of_kind("ClusterRoleBinding")}
+    assert accounts == bound
+    for kind in ("Deployment", "DaemonSet"):
+        assert _pod_spec(rendered, kind)["serviceAccountName"] in accounts
+
+
+def test_monitoring_objects_exist_only_where_the_prometheus_operator_api_does() -> None:
+    monitoring = {"ServiceMonitor", "PodMonitor", "PrometheusRule"}
+    assert not monitoring & template().kinds()
+    assert not monitoring & template({"monitoring.enabled": True}).kinds()
+    with_api = template({"monitoring.enabled": True}, PROMETHEUS_OPERATOR)
+    assert monitoring <= with_api.kinds()
+    no_alerts = template(
+        {"monitoring.enabled": True, "monitoring.alerts.enabled": False}, PROMETHEUS_OPERATOR
+    )
+    assert "PrometheusRule" not in no_alerts.kinds()
+
+
+def test_monitors_set_the_job_names_the_dashboard_and_alerts_select() -> None:
+    rendered = template({"monitoring.enabled": True}, PROMETHEUS_OPERATOR)
+    pod_monitor = rendered.one("PodMonitor")["spec"]["podMetricsEndpoints"][0]
+    service_monitor = rendered.one("ServiceMonitor")["spec"]["endpoints"][0]
+    assert {"targetLabel": "job", "replacement": "kvshare-node-agent"} in pod_monitor["relabelings"]
+    assert {"targetLabel": "job", "replacement": "kvshare-operator"} in service_monitor[
+        "relabelings"
+    ]
+
+
+def test_dashboard_configmap_carries_the_dashboard_and_the_sidecar_label() -> None:
+    rendered = template({"dashboard.labels": {"grafana": "dashboards"}})
+    config_map = rendered.one("ConfigMap", "-dashboard")
+    assert config_map["metadata"]["labels"]["grafana"] == "dashboards"
+    shipped = json.loads((CHART / "dashboards" / "kvshare.json").read_text(encoding="utf-8"))
+    assert json.loads(config_map["data"]["kvshare.json"]) == shipped
+    assert "ConfigMap" not in template({"dashboard.enabled": False}).kinds()
+
+
+def test_webhook_with_helm_certificate_trusts_the_ca_it_serves_with() -> None:
+    import base64
+    import ssl
+    import tempfile
+
+    rendered = template({"webhook.enabled": True})
+    secret = rendered.one("Secret", "-webhook-tls")
+    config = rendered.one("MutatingWebhookConfiguration")
+    (hook,) = config["webhooks"]
+    assert hook["clientConfig"]["caBundle"] == secret["data"]["ca.crt"]
+    assert hook["objectSelector"] == {"matchLabels": {names.LABEL_INJECT: "true"}}
+    # The served certificate verifies against that CA for the Service's DNS name.
+    with tempfile.TemporaryDirectory() as tmp:
+        ca = Path(tmp) / "ca.crt"
+        ca.write_bytes(base64.b64decode(secret["data"]["ca.crt"]))
+        context = ssl.create_default_context(cafile=str(ca))
+        server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        cert, key = Path(tmp) / "tls.crt", Path(tmp) / "tls.key"
+        cert.write_bytes(base64.b64decode(secret["data"]["tls.crt"]))
+        key.write_bytes(base64.b64decode(secret["data"]["tls.key"]))
+        server.load_cert_chain(str(cert), str(key))
+        _handshake(server, context, f"{config['webhooks'][0]['clientConfig']['service']['name']}"
+                   ".kvshare.svc")  # fmt: skip
+    mounts = _pod_spec(rendered, "Deployment")["containers"][0]["volumeMounts"]
+    assert any(m["name"] == "webhook-certificate" for m in mounts)
+
+
+def _handshake(server: Any, client: Any, hostname: str) -> None:
+    """A real TLS handshake over a socket pair, verifying ``hostname``."""
+    import socket
+    import threading
+
+    left, right = socket.socketpair()
+    errors: list[BaseException] = []
+
+    def serve() -> None:
+        try:
+            with server.wrap_socket(left, server_side=True) as tls:
+                tls.recv(1)
+        except (OSError, ValueError) as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    with client.wrap_socket(right, server_hostname=hostname) as tls:
+        tls.sendall(b"x")
+    thread.join(timeout=30)
+    assert errors == []
+
+
+def test_webhook_with_cert_manager_needs_its_api_and_lets_it_inject_the_ca() -> None:
+    values = {"webhook.enabled": True, "webhook.certificate.source": "cert-manager"}
+    rendered = template(values, CERT_MANAGER)
+    config = rendered.one("MutatingWebhookConfiguration")
+    assert config["metadata"]["annotations"]["cert-manager.io/inject-ca-from"].startswith(
+        "kvshare/"
+    )
+    assert "caBundle" not in config["webhooks"][0]["clientConfig"]
+    assert rendered.one("Certificate")["spec"]["secretName"].endswith("-webhook-tls")
+    done = helm("template", "kvshare", str(CHART), *set_args(values))
+    assert done.returncode != 0
+    assert "does not serve the cert-manager.io/v1 API" in done.stderr
+
+
+def test_webhook_objects_only_when_enabled() -> None:
+    kinds = template().kinds()
+    assert "MutatingWebhookConfiguration" not in kinds
+    assert "Secret" not in kinds
+
+
+def test_helm_test_pod_checks_both_metrics_endpoints() -> None:
+    rendered = template()
+    (pod,) = [p for p in rendered.of_kind("Pod") if "test" in p["metadata"]["name"]]
+    assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    command = pod["spec"]["containers"][0]["command"]
+    targets = command[4:]
+    assert targets == [
+        f"kvshare-operator-metrics.kvshare.svc:{8080}",
+        f"kvshare-node-agent-metrics.kvshare.svc:{names.METRICS_PORT}",
+    ]
+    services = {s["metadata"]["name"] for s in rendered.of_kind("Service")}
+    assert {t.split(".")[0] for t in targets} <= services
+
+
+def test_notes_tell_the_next_steps(tmp_path: Path) -> None:
+    text = notes(workdir=tmp_path / "a")
+    assert "kubectl apply -f examples/qwen-7b-vllm.yaml" in text
+    assert "helm test kvshare -n kvshare" in text
+    assert "kubectl get kvsharenodes" in text
+
+
+def test_notes_warn_when_monitoring_is_asked_for_without_the_prometheus_operator(
+    tmp_path: Path,
+) -> None:
+    without = notes({"monitoring.enabled": True}, workdir=tmp_path / "a")
+    assert "does not serve monitoring.coreos.com/v1" in without
+    with_api = notes({"monitoring.enabled": True}, PROMETHEUS_OPERATOR, workdir=tmp_path / "b")
+    assert "does not serve" not in with_api
+    assert 'job="kvshare-node-agent"' in with_api
+
+
+@pytest.mark.parametrize(("values", "apis"), _CASES)
+def test_programs_accept_every_flag_the_chart_passes(
+    values: dict[str, Any], apis: tuple[str, ...]
+) -> None:
+    """The kvshare command line parses the containers' args exactly as the image runs them
+    (ENTRYPOINT kvshare), for every configuration of the matrix."""
+    from kvshare.cli import SUBCOMMANDS, build_parser
+
+    rendered = template(values, apis)
+    for kind in ("Deployment", "DaemonSet"):
+        container = _pod_spec(rendered, kind)["containers"][0]
+        assert container["args"][0] in SUBCOMMANDS
+        # Kubernetes expands $(VAR) from the container's env; any value will do here.
+        names_set = {e["name"] for e in container["env"]}
+        args = []
+        for arg in container["args"]:
+            for name in re.findall(r"\$\((\w+)\)", arg):
+                assert name in names_set, f"{kind}: $({name}) is not in the container's env"
+            args.append(re.sub(r"\$\((\w+)\)", "value", arg))
+        try:
+            build_parser().parse_args(args)
+        except SystemExit:
+            pytest.fail(f"{kind}: kvshare refuses {args}")
+
+
+def test_chart_defaults_agree_with_the_names_the_programs_use() -> None:
+    """Ports, the peering object, the webhook's path and its certificate files are the
+    programs' own defaults (kvshare.api.names), not a second copy that could drift."""
+    defaults = yaml.safe_load((CHART / "values.yaml").read_text(encoding="utf-8"))
+    assert defaults["operator"]["metricsPort"] == names.OPERATOR_METRICS_PORT
+    assert defaults["operator"]["peeringName"] == names.PEERING_NAME
+    assert defaults["nodeAgent"]["metricsPort"] == names.METRICS_PORT
+    assert defaults["nodeAgent"]["devicePluginDir"] == names.DEVICE_PLUGIN_DIR
+    assert defaults["webhook"]["port"] == names.WEBHOOK_PORT
+    rendered = template({"webhook.enabled": True})
+    (hook,) = rendered.one("MutatingWebhookConfiguration")["webhooks"]
+    assert hook["clientConfig"]["service"]["path"] == names.WEBHOOK_INJECT_PATH
+    secret = rendered.one("Secret", "-webhook-tls")
+    assert {names.WEBHOOK_CERT_FILE, names.WEBHOOK_KEY_FILE} <= set(secret["data"])
+    container = _pod_spec(rendered, "Deployment")["containers"][0]
+    (mount,) = [m for m in container["volumeMounts"] if m["name"] == "webhook-certificate"]
+    assert f"--webhook-cert-dir={mount['mountPath']}" in container["args"]
+    env = {e["name"] for e in container["env"]}
+    assert env_module.IMAGE.name in env
