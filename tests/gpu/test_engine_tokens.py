@@ -6,8 +6,9 @@ Run where a CUDA GPU, the engine packages and a small model are present:
         tests/gpu/test_engine_tokens.py
 
 Each engine is started twice through its own server entry point, once plainly and once
-with the runtime bundle on ``PYTHONPATH`` and ``KVSHARE_ENABLE=1`` (standalone: a fixed
-lease, no node agent), with the same greedy requests sent to both. Skips, naming the
+with the runtime bundle (built as the image builds it) on ``PYTHONPATH`` and
+``KVSHARE_ENABLE=1`` (standalone: a fixed lease, no node agent), with the same greedy
+requests sent to both. Skips, naming the
 reason, without a GPU, without the engine or without ``KVSHARE_E2E_MODEL``.
 """
 
@@ -28,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from kvshare.runtime.engines.bundle import write_bundle
+from tests.engines.suite import injected_bundle
 
 pytestmark = pytest.mark.gpu
 
@@ -161,7 +162,7 @@ def test_greedy_tokens_are_the_same_with_and_without_kvshare(engine: str, tmp_pa
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    bundle = write_bundle(tmp_path / "bundle")
+    bundle = injected_bundle(tmp_path / "bundle")  # cuda-python comes from this environment
     with _server(engine, model, None, tmp_path / "plain.log") as base:
         plain = _greedy_outputs(base, model)
     with _server(engine, model, bundle, tmp_path / "kvshare.log") as base:
