@@ -10,6 +10,7 @@ LOCK   := requirements/dev.lock
 # Each install set is recorded by a stamp, so a target installs only what it needs.
 DEV_STAMP  := $(VENV)/.dev-installed
 DEMO_STAMP := $(VENV)/.demo-installed
+PROTOC_STAMP := $(VENV)/.protoc-installed
 # The kubelet device plugin API stubs, generated from the .proto (never committed).
 PROTO_DIR   := src/kvshare/deviceplugin/v1beta1
 PROTO_STUBS := $(PROTO_DIR)/api_pb2.py
@@ -18,7 +19,7 @@ TOOLS := .tools
 HELM  := $(TOOLS)/bin/helm
 CHART := charts/kvshare
 
-.PHONY: help venv proto engines test lint format bench demo docs clean tools prometheus crds rbac dashboard runtime-bundle
+.PHONY: help venv proto engines test lint format bench demo gpu-check docs clean tools prometheus crds rbac dashboard runtime-bundle
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -e 's/:.*## /\t/'
@@ -37,8 +38,13 @@ $(DEMO_STAMP): pyproject.toml $(LOCK) | $(PY)
 
 venv: $(DEV_STAMP)  ## create .venv with everything needed to develop
 
-$(PROTO_STUBS): $(PROTO_DIR)/api.proto src/kvshare/deviceplugin/protogen.py $(DEV_STAMP)
-	$(PY) -m kvshare.deviceplugin.protogen
+# Only grpcio-tools is needed to generate the stubs (so `make demo` installs no dev tools).
+$(PROTOC_STAMP): $(LOCK) | $(PY)
+	$(PIP) -c $(LOCK) grpcio-tools
+	touch $@
+
+$(PROTO_STUBS): $(PROTO_DIR)/api.proto src/kvshare/deviceplugin/protogen.py $(PROTOC_STAMP)
+	PYTHONPATH=src $(PY) -m kvshare.deviceplugin.protogen
 
 proto: $(PROTO_STUBS)  ## generate the kubelet device plugin API stubs from the .proto
 
@@ -68,8 +74,14 @@ format: $(DEV_STAMP)  ## apply ruff's fixes and formatting
 bench: $(DEV_STAMP) $(PROTO_STUBS)  ## run every benchmark and rewrite BENCHMARKS.md
 	$(PY) bench/run.py --all --write BENCHMARKS.md
 
-demo:  ## the elastic-vs-static demo on this machine (no GPU, no cluster)
-	@echo "kvshare demo is not built yet: there is no demo program to run." >&2; exit 1
+demo: $(DEMO_STAMP) $(PROTO_STUBS)  ## static partitions vs elastic KV caches here (no GPU, no cluster)
+	$(VENV)/bin/kvshare demo
+
+# The GPU check runs with the GPU machine's own Python and its CUDA build of PyTorch (the
+# dev venv pins a CPU build); kvshare itself comes from src/.
+GPU_PYTHON ?= python3
+gpu-check:  ## on an NVIDIA GPU machine with PyTorch: GPU tests, page costs, decode, broker
+	PYTHONPATH=src $(GPU_PYTHON) bench/gpu_check.py --write BENCHMARKS.md
 
 docs: $(DEV_STAMP)  ## regenerate the README's generated tables
 	$(PY) tools/update_readme.py

@@ -41,6 +41,8 @@ class Result:
     fields: dict[str, float | int | str]
     targets: list[Target] = field(default_factory=list)
     notes: str = ""
+    crashed: bool = False
+    """The benchmark raised instead of measuring; ``fields`` holds only the error."""
 
     def failed_targets(self) -> list[Target]:
         return [t for t in self.targets if not t.met_by(float(self.fields[t.field]))]

@@ -14,6 +14,11 @@ with it. Reproduce one with the command under its table; `--json` prints the fie
 """
 
 _GPU_MARKER = "<!-- gpu-check results below are kept across `make bench` runs -->"
+_NO_GPU_RUN = """## GPU check
+
+Not run yet: `make gpu-check` on a machine with an NVIDIA GPU and PyTorch records its
+results here (`python bench/gpu_check.py --dry-run` exercises it without a GPU).
+"""
 
 
 def _table(result: Result, machine: str, date: str, command: str) -> str:
@@ -34,14 +39,41 @@ def _table(result: Result, machine: str, date: str, command: str) -> str:
     return "\n".join(lines)
 
 
+def _coverage(results: list[Result], missing: list[str]) -> str:
+    line = "Run: " + ", ".join(f"`{r.name}`" for r in results) + "."
+    crashed = [r.name for r in results if r.crashed]
+    if crashed:
+        line += " Failed with an error (see its table): "
+        line += ", ".join(f"`{name}`" for name in crashed) + "."
+    if missing:
+        line += " Not present in this checkout, so not run: "
+        line += ", ".join(f"`{name}`" for name in missing) + "."
+    return line + "\n"
+
+
 def write_report(
-    path: Path, results: list[Result], *, machine: str, date: str, command: str
+    path: Path,
+    results: list[Result],
+    *,
+    machine: str,
+    date: str,
+    command: str,
+    missing: list[str] | None = None,
 ) -> None:
-    """Rewrite ``path``: the tables of ``results``, then any recorded GPU-check section."""
-    kept = ""
+    """Rewrite ``path``: which benchmarks ran, their tables, then any GPU-check section."""
+    kept = f"{_GPU_MARKER}\n\n{_NO_GPU_RUN}"
     if path.exists():
         text = path.read_text(encoding="utf-8")
         if _GPU_MARKER in text:
             kept = text[text.index(_GPU_MARKER) :]
     body = "\n".join(_table(r, machine, date, command) for r in results)
-    path.write_text(_HEADER + "\n" + body + ("\n" + kept if kept else ""), encoding="utf-8")
+    head = _HEADER + "\n" + _coverage(results, missing or []) + "\n"
+    path.write_text(head + body + "\n" + kept, encoding="utf-8")
+
+
+def write_gpu_section(path: Path, section: str) -> None:
+    """Replace the GPU-check section of ``path`` (kept across ``make bench`` runs)."""
+    text = path.read_text(encoding="utf-8") if path.exists() else _HEADER
+    if _GPU_MARKER in text:
+        text = text[: text.index(_GPU_MARKER)]
+    path.write_text(text.rstrip("\n") + "\n\n" + _GPU_MARKER + "\n\n" + section, encoding="utf-8")

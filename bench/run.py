@@ -18,6 +18,7 @@ if sys.path and os.path.realpath(sys.path[0]) == os.path.dirname(os.path.realpat
 import argparse
 import importlib.util
 import json
+import traceback
 from pathlib import Path
 from types import ModuleType
 
@@ -46,6 +47,18 @@ def load(name: str) -> ModuleType:
     return module
 
 
+def run_one(module: ModuleType, name: str, *, quick: bool) -> Result:
+    """Run one benchmark; an exception becomes a crashed result, so the others still run
+    and the report says what failed."""
+    try:
+        result: Result = module.run(quick=quick)
+    except Exception as exc:
+        traceback.print_exc()
+        result = Result(name, {"error": f"{type(exc).__name__}: {exc}"}, crashed=True)
+    print_table(result)
+    return result
+
+
 def print_table(result: Result) -> None:
     targets = {t.field: t for t in result.targets}
     print(f"\n{result.name}")
@@ -72,21 +85,31 @@ def main(argv: list[str] | None = None) -> int:
     names = available() if args.all else args.names
     if not names:
         parser.error("name a benchmark or pass --all")
-    results = []
-    for name in names:
-        result: Result = load(name).run(quick=args.quick)
-        results.append(result)
-        print_table(result)
+    missing = [name for name in BENCHMARKS if name not in available()] if args.all else []
+    if missing:
+        print(f"not present in this checkout, skipped: {', '.join(missing)}")
+    results = [run_one(load(name), name, quick=args.quick) for name in names]
+    crashed = [r.name for r in results if r.crashed]
+    print(f"\nran: {', '.join(r.name for r in results)}")
+    if crashed:
+        print(f"failed with an error: {', '.join(crashed)}")
     if args.write:
         command = "python bench/run.py --all" + (" --quick" if args.quick else "")
-        write_report(Path(args.write), results, machine=machine(), date=today(), command=command)
+        write_report(
+            Path(args.write),
+            results,
+            machine=machine(),
+            date=today(),
+            command=command,
+            missing=missing,
+        )
         print(f"\nwrote {args.write}")
     if args.json:
         payloads = [
             {"name": r.name, **r.fields, "targets_met": not r.failed_targets()} for r in results
         ]
         print(json.dumps(payloads[0] if len(payloads) == 1 else payloads))
-    return 1 if any(r.failed_targets() for r in results) else 0
+    return 1 if crashed or any(r.failed_targets() for r in results) else 0
 
 
 if __name__ == "__main__":

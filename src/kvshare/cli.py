@@ -23,6 +23,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "ctl": ("kvshare.deviceplugin.ctl_cli", "inspect and steer the node agent's broker"),
     "top": ("kvshare.deviceplugin.top_cli", "live view of the node's GPUs and KV pools"),
     "crds": ("kvshare.api.crds_cli", "print the CustomResourceDefinitions as YAML"),
+    "demo": ("kvshare.demo.cli", "static partitions vs elastic KV caches, live, on this machine"),
     "operator": (
         "kvshare.operator.cli",
         "run the operator: place ModelServers onto shared GPUs and run their pods",

@@ -1,0 +1,115 @@
+"""``kvshare demo``: static partitions against elastic KV caches, on this machine.
+
+Starts the node agent with a fake GPU (host memory) and, for each model, one simulated
+model server per world (static partitions and elastic), runs the same bursty trace in
+both at once, shows them live, and ends with a per-model summary and a plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from kvshare.api import names
+from kvshare.api.quantity import QuantityError, format_bytes, parse_bytes
+from kvshare.demo.trace import TraceConfig
+
+if TYPE_CHECKING:
+    from kvshare.demo.orchestrator import DemoOptions
+
+#: The trace's defaults, under the names of the options that override them.
+_DEFAULTS = {
+    "duration": TraceConfig.duration_s,
+    "models": TraceConfig.models,
+    "gpu_memory": TraceConfig.gpu_memory_bytes,
+}
+
+
+def _gpu_memory(raw: str) -> int:
+    try:
+        return parse_bytes(raw, field="--gpu-memory")
+    except QuantityError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--duration",
+        type=float,
+        help=f"seconds of trace to run in both worlds (default {_DEFAULTS['duration']:g})",
+    )
+    parser.add_argument(
+        "--models",
+        type=int,
+        help=f"number of models sharing the GPU, at least 3 (default {_DEFAULTS['models']})",
+    )
+    parser.add_argument(
+        "--gpu-memory",
+        type=_gpu_memory,
+        metavar="QUANTITY",
+        help="KV memory of the fake GPU, e.g. 8Gi "
+        f"(default {format_bytes(int(_DEFAULTS['gpu_memory']))})",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of the generated trace")
+    parser.add_argument(
+        "--trace",
+        type=Path,
+        metavar="FILE",
+        help="run this trace file (written as trace.json by an earlier run) instead of "
+        "generating one; it fixes duration, models and GPU memory",
+    )
+    parser.add_argument(
+        "--output",
+        type=Path,
+        default=Path("out/demo"),
+        metavar="DIR",
+        help="where the plot, results.json, trace.json and logs go (default out/demo)",
+    )
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=names.METRICS_PORT,
+        help=f"port of the node agent's metrics (default {names.METRICS_PORT}; "
+        "a free one when taken)",
+    )
+    parser.add_argument(
+        "--plain", action="store_true", help="print progress lines instead of the live view"
+    )
+
+
+def _options(args: argparse.Namespace) -> DemoOptions:
+    from kvshare.demo.orchestrator import DemoOptions
+
+    given = {k: getattr(args, k) for k in _DEFAULTS if getattr(args, k) is not None}
+    if args.trace is not None and given:
+        flags = ", ".join("--" + k.replace("_", "-") for k in given)
+        raise ValueError(f"{flags} cannot be combined with --trace: the trace file fixes them")
+    values = {**_DEFAULTS, **given}
+    if int(values["models"]) < 3:
+        raise ValueError(f"--models must be at least 3, got {values['models']}")
+    if not float(values["duration"]) > 0:
+        raise ValueError(f"--duration must be > 0, got {values['duration']}")
+    return DemoOptions(
+        duration_s=float(values["duration"]),
+        models=int(values["models"]),
+        gpu_memory_bytes=int(values["gpu_memory"]),
+        seed=args.seed,
+        trace_file=args.trace,
+        output=args.output,
+        metrics_port=args.metrics_port,
+        live=not args.plain,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvshare.demo.orchestrator import DemoError, run_demo
+    from kvshare.demo.trace import TraceError
+
+    try:
+        outcome = run_demo(_options(args), sys.stdout)
+    except (ValueError, TraceError, DemoError) as exc:
+        print(f"kvshare demo: {exc}", file=sys.stderr)
+        return 1
+    return 0 if outcome.ok else 1

@@ -1,0 +1,691 @@
+"""Runs the demo: the node agent and one process per simulated model server, twice over.
+
+The same trace runs at the same time in two worlds of the same size:
+
+- **static partitions** — each model's pool has a fixed lease of an equal share of the
+  GPU (what ``--gpu-memory-utilization`` gives a model today);
+- **elastic (kvshare)** — each model's pool is leased by the node agent's broker, which
+  lends the GPU's memory to whoever needs it and reclaims it under contention.
+
+The orchestrator starts ``kvshare node --fake-gpus 1x<GPU>`` as a child (the broker, and
+the Prometheus endpoint on :9400 or a free port), then ``2 x models`` server processes
+(:mod:`kvshare.demo.server`), waits until every pool is up, gives them one common start
+instant, and collects their samples while the live view shows them. Throughout, it scrapes
+the node agent's metrics and checks the broker's books: what it charges the pools on the
+GPU never sums to more than the GPU's memory (its headroom is 0 here, so static partitions
+and elastic pools share the same total). At the end it checks every server's counts
+against the trace, writes ``results.json`` and the PNG into the output folder, and prints
+the comparison.
+
+It imports neither the runtime nor the node agent: it talks to both through their real
+interfaces (processes, pipes, the broker's socket path, the metrics endpoint).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import logging
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import IO, Any, TextIO
+
+from kvshare.api import names
+from kvshare.api.quantity import format_bytes
+from kvshare.demo import trace as trace_mod
+from kvshare.demo.stats import (
+    MODES,
+    BookViolation,
+    Comparison,
+    Mode,
+    Sample,
+    ServerResult,
+    check_consistency,
+    check_pool_books,
+    compare,
+    sample_from_message,
+)
+from kvshare.demo.view import LiveView
+
+__all__ = ["DemoError", "DemoOptions", "DemoOutcome", "NodeAgent", "pick_metrics_port", "run_demo"]
+
+log = logging.getLogger(__name__)
+
+GIB = 2**30
+#: Seconds allowed for the node agent and every server to come up.
+STARTUP_TIMEOUT_S = 90.0
+#: Seconds allowed past the trace's end for the servers to report.
+FINISH_GRACE_S = 30.0
+_PR_SET_PDEATHSIG = 1
+
+
+class DemoError(RuntimeError):
+    """The demo could not run; the message says what failed and where its log is."""
+
+
+@dataclass(frozen=True)
+class DemoOptions:
+    """What ``kvshare demo`` (and the ``elastic`` benchmark) run."""
+
+    duration_s: float = trace_mod.TraceConfig.duration_s
+    models: int = trace_mod.TraceConfig.models
+    gpu_memory_bytes: int = trace_mod.TraceConfig.gpu_memory_bytes
+    seed: int = 0
+    trace_file: Path | None = None
+    output: Path = Path("out/demo")
+    metrics_port: int = names.METRICS_PORT
+    live: bool = True
+    plot: bool = True
+    sample_s: float = 0.25
+
+    def trace(self) -> trace_mod.Trace:
+        """The trace to run: loaded from ``trace_file`` or generated from the options."""
+        if self.trace_file is not None:
+            return trace_mod.load(self.trace_file)
+        config = trace_mod.TraceConfig(
+            seed=self.seed,
+            duration_s=self.duration_s,
+            models=self.models,
+            gpu_memory_bytes=self.gpu_memory_bytes,
+        )
+        return trace_mod.generate(config)
+
+
+@dataclass
+class DemoOutcome:
+    """Everything a run produced."""
+
+    trace: trace_mod.Trace
+    results: list[ServerResult]
+    comparison: Comparison
+    pool_violations: list[BookViolation]
+    broker_violations: list[BookViolation]
+    problems: list[str]
+    metrics_url: str
+    broker_checks: int
+    plot: Path | None = None
+    summary: Path | None = None
+    wall_s: float = 0.0
+    elastic_kv_series: list[tuple[float, int]] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        """No over-commitment and counts consistent with the trace."""
+        return not (self.pool_violations or self.broker_violations or self.problems)
+
+
+# --- child processes ------------------------------------------------------------------
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: get SIGTERM when the orchestrator dies."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+@dataclass
+class _Child:
+    name: str
+    process: subprocess.Popen[str]
+    log_path: Path
+
+    def log_tail(self, lines: int = 15) -> str:
+        try:
+            text = self.log_path.read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def request_stop(self) -> None:
+        """Ask the process to finish: close its stdin (servers) or SIGTERM (the agent)."""
+        if self.process.stdin is not None:
+            with contextlib.suppress(OSError):
+                self.process.stdin.close()
+        elif self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+
+    def wait_stopped(self, deadline: float) -> None:
+        """Wait for the process until ``deadline``, then terminate it, then kill it."""
+        try:
+            self.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            log.warning("%s did not stop in time; terminating it", self.name)
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+def _stop_all(children: Sequence[_Child], timeout_s: float = 30.0) -> None:
+    """Stop every child, all at once (each is asked, then each is waited for)."""
+    for child in children:
+        child.request_stop()
+    deadline = time.monotonic() + timeout_s
+    for child in children:
+        child.wait_stopped(deadline)
+
+
+def _spawn(
+    name: str, argv: list[str], log_path: Path, env: dict[str, str], *, pipes: bool
+) -> _Child:
+    log_file = log_path.open("w", encoding="utf-8")
+    try:
+        process = subprocess.Popen(
+            argv,
+            stdin=subprocess.PIPE if pipes else subprocess.DEVNULL,
+            stdout=subprocess.PIPE if pipes else log_file,
+            stderr=log_file,
+            env=env,
+            text=True,
+            preexec_fn=_die_with_parent,  # noqa: PLW1509 - only a prctl call, no locks
+        )
+    finally:
+        log_file.close()
+    return _Child(name, process, log_path)
+
+
+def _read_lines(key: tuple[Mode, int], stream: IO[str], out: queue.Queue[Any]) -> None:
+    """Reader thread: one per server; puts ``(key, message)`` and ``(key, None)`` at EOF."""
+    for line in stream:
+        try:
+            out.put((key, json.loads(line)))
+        except json.JSONDecodeError:
+            out.put((key, {"kind": "error", "message": f"unreadable line {line[:200]!r}"}))
+    out.put((key, None))
+
+
+# --- the node agent -------------------------------------------------------------------
+
+
+def pick_metrics_port(preferred: int) -> tuple[int, bool]:
+    """``preferred`` if it is free on this host, else a free port; and whether it moved.
+
+    ``preferred`` 0 asks for any free port (not a move).
+    """
+    for port in dict.fromkeys((preferred, 0)):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+            chosen: int = probe.getsockname()[1]
+            return chosen, preferred not in (0, chosen)
+    raise DemoError("no free TCP port for the metrics endpoint")
+
+
+@dataclass
+class NodeAgent:
+    """``kvshare node`` with one fake GPU, its broker socket and its metrics endpoint."""
+
+    child: _Child
+    broker_socket: Path
+    metrics_url: str
+
+    @classmethod
+    def start(
+        cls, run_dir: Path, gpu_bytes: int, metrics_port: int, env: dict[str, str]
+    ) -> NodeAgent:
+        broker = run_dir / names.BROKER_SOCKET_NAME
+        argv = [
+            sys.executable,
+            "-m",
+            "kvshare.cli",
+            "node",
+            "--fake-gpus",
+            f"1x{format_bytes(gpu_bytes)}",
+            # The whole fake GPU is KV memory: the same total as the static partitions.
+            "--headroom",
+            "0",
+            "--node-name",
+            "kvshare-demo",
+            "--broker-socket",
+            str(broker),
+            "--metrics-address",
+            f":{metrics_port}",
+            # No cluster here: no Kubernetes API, and a kubelet directory nobody serves.
+            "--no-kube",
+            "--device-plugin-dir",
+            str(run_dir / "device-plugins"),
+        ]
+        (run_dir / "device-plugins").mkdir(exist_ok=True)
+        child = _spawn("node agent", argv, run_dir / "node.log", env, pipes=False)
+        return cls(child, broker, f"http://127.0.0.1:{metrics_port}/metrics")
+
+    def gpu_uuid(self) -> str:
+        """The UUID of the agent's (single) fake GPU, as its metrics label it."""
+        text = scrape(self.metrics_url)
+        books = broker_books(text) if text is not None else []
+        if not books:
+            raise DemoError(f"the node agent's metrics name no GPU:\n{self.child.log_tail()}")
+        return books[0].gpu
+
+    def pool_env(self, pod: str, *, kv_max: int, kv_min: int = 0) -> dict[str, str]:
+        """The ``KVSHARE_*`` environment of a pool leased by this agent's broker (what the
+        operator and the device plugin give a model-server pod)."""
+        return {
+            "KVSHARE_BROKER_SOCKET": str(self.broker_socket),
+            "KVSHARE_GPU_UUIDS": self.gpu_uuid(),
+            "KVSHARE_POD_NAMESPACE": "kvshare-demo",
+            "KVSHARE_POD_NAME": pod,
+            "KVSHARE_POD_UID": str(uuid.uuid4()),
+            "KVSHARE_MODELSERVER": pod,
+            "KVSHARE_KV_MIN": str(kv_min),
+            "KVSHARE_KV_MAX": str(kv_max),
+            "KVSHARE_KV_PRIORITY": "100",
+            "KVSHARE_STATIC_BYTES": "0",
+        }
+
+    def wait_ready(self, deadline: float) -> None:
+        while time.monotonic() < deadline:
+            if self.child.process.poll() is not None:
+                raise DemoError(
+                    f"the node agent exited with status {self.child.process.returncode}:\n"
+                    f"{self.child.log_tail()}"
+                )
+            text = scrape(self.metrics_url) if self.broker_socket.exists() else None
+            if text is not None and broker_books(text):
+                return
+            time.sleep(0.1)
+        raise DemoError(f"the node agent did not come up in time:\n{self.child.log_tail()}")
+
+    def stop(self) -> None:
+        """SIGTERM, then wait (and terminate or kill when it does not stop)."""
+        _stop_all([self.child], timeout_s=10.0)
+
+
+def scrape(url: str, timeout_s: float = 2.0) -> str | None:
+    """The metrics text at ``url``, or None when it does not answer."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+            body: bytes = response.read()
+            return body.decode("utf-8")
+    except (urllib.error.URLError, OSError):
+        return None
+
+
+@dataclass(frozen=True)
+class GpuBooks:
+    """One GPU in the broker's books, from one scrape of its metrics."""
+
+    gpu: str
+    charged: int
+    """Sum over the GPU's pools of what the broker counts as taken for each (at least the
+    lease, and the old lease until a reclaim is acknowledged)."""
+    budget: int
+    """What the broker may lend: total - headroom - static footprints."""
+
+
+def broker_books(text: str) -> list[GpuBooks]:
+    """Every GPU of the node agent's metrics text, with its pools' charges summed."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    charged: dict[str, float] = {}
+    gpu_values: dict[str, dict[str, float]] = {}
+    wanted = {
+        "kvshare_gpu_memory_total_bytes": "total",
+        "kvshare_gpu_memory_headroom_bytes": "headroom",
+        "kvshare_gpu_memory_static_bytes": "static",
+    }
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            gpu = sample.labels.get("gpu", "")
+            if sample.name == "kvshare_pool_kv_charged_bytes":
+                charged[gpu] = charged.get(gpu, 0.0) + sample.value
+            elif sample.name in wanted:
+                gpu_values.setdefault(gpu, {})[wanted[sample.name]] = sample.value
+    return [
+        GpuBooks(
+            gpu,
+            int(charged.get(gpu, 0)),
+            int(v.get("total", 0) - v.get("headroom", 0) - v.get("static", 0)),
+        )
+        for gpu, v in gpu_values.items()
+    ]
+
+
+# --- the run --------------------------------------------------------------------------
+
+
+def _child_env() -> dict[str, str]:
+    env = dict(os.environ)  # the children inherit the caller's settings (log level, paths)
+    src = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+@contextlib.contextmanager
+def _children() -> Iterator[list[_Child]]:
+    """The children started inside; on the way out the servers are stopped first (they
+    leave the broker cleanly), then the node agent (started first)."""
+    started: list[_Child] = []
+    try:
+        yield started
+    finally:
+        _stop_all(started[1:])
+        _stop_all(started[:1])
+
+
+def run_demo(options: DemoOptions, stream: TextIO = sys.stdout) -> DemoOutcome:
+    """Run both worlds on one trace and return what happened (see the module doc).
+
+    The results, the plot (``options.plot``) and the report are written before the
+    children are stopped, so the servers' pools unmap while the plot is drawn.
+    """
+    began = time.monotonic()
+    trace = options.trace()
+    config = trace.config
+    options.output.mkdir(parents=True, exist_ok=True)
+    trace_path = options.output / "trace.json"
+    trace_mod.save(trace, trace_path)
+    port, moved = pick_metrics_port(options.metrics_port)
+    if moved:
+        stream.write(f"port {options.metrics_port} is taken: metrics are served on :{port}\n")
+    stream.write(
+        f"Starting the node agent (one fake {format_bytes(config.gpu_memory_bytes)} GPU) and "
+        f"{2 * config.models} model servers ({config.models} static, {config.models} elastic)"
+        "...\n"
+    )
+    stream.flush()
+    messages: queue.Queue[Any] = queue.Queue()
+    # Unix socket paths must stay short (< 108 bytes): sockets live in a short temp dir.
+    with (
+        tempfile.TemporaryDirectory(prefix="kvs-demo-", dir="/tmp") as run_dir,
+        _children() as started,
+    ):
+        base_env = _child_env()
+        node = NodeAgent.start(Path(run_dir), config.gpu_memory_bytes, port, base_env)
+        started.append(node.child)
+        share = config.gpu_memory_bytes // config.models
+        launch = _Launcher(options, trace_path, share, base_env, messages, started)
+        # Static servers need no broker: they import and set up while the agent starts.
+        servers: dict[tuple[Mode, int], _Child] = {
+            ("static", m): launch.server("static", m) for m in range(config.models)
+        }
+        node.wait_ready(time.monotonic() + STARTUP_TIMEOUT_S)
+        for model in range(config.models):
+            # No guaranteed minimum (kvCache.min 0) and no cap below the GPU: what a model
+            # holds beyond its running requests is the broker's fair share to decide.
+            env = node.pool_env(f"model-{model}", kv_max=config.gpu_memory_bytes)
+            servers[("elastic", model)] = launch.server("elastic", model, env)
+        view = LiveView(
+            stream,
+            duration_s=config.duration_s,
+            gpu_bytes=config.gpu_memory_bytes,
+            models=config.models,
+            interactive=None if options.live else False,
+        )
+        run = _Run(options, trace, node, servers, messages, view)
+        run.wait_ready()
+        stream.write(f"All pools up after {time.monotonic() - began:.1f} s; running.\n")
+        run.collect(run.start())
+        outcome = run.outcome()
+        outcome.summary = options.output / "results.json"
+        if options.plot:
+            outcome.plot = _plot(outcome, options.output / "kvshare-demo.png")
+        outcome.wall_s = time.monotonic() - began
+        _write_results(outcome, outcome.summary)
+        stream.write("\n".join(report_lines(outcome, options)) + "\n")
+        stream.flush()
+    return outcome
+
+
+@dataclass
+class _Launcher:
+    """Starts model-server processes and their reader threads."""
+
+    options: DemoOptions
+    trace_path: Path
+    static_share: int
+    base_env: dict[str, str]
+    messages: queue.Queue[Any]
+    started: list[_Child]
+
+    def server(self, mode: Mode, model: int, env: dict[str, str] | None = None) -> _Child:
+        argv = [
+            *(sys.executable, "-m", "kvshare.demo.server", "--trace", str(self.trace_path)),
+            *("--model", str(model), "--mode", mode, "--sample-s", str(self.options.sample_s)),
+        ]
+        if mode == "static":
+            argv += ["--share-bytes", str(self.static_share)]
+        log_path = self.options.output / f"server-{mode}-{model}.log"
+        child = _spawn(
+            f"{mode} model-{model}", argv, log_path, {**self.base_env, **(env or {})}, pipes=True
+        )
+        self.started.append(child)
+        assert child.process.stdout is not None
+        threading.Thread(
+            target=_read_lines,
+            args=((mode, model), child.process.stdout, self.messages),
+            daemon=True,
+        ).start()
+        return child
+
+
+def _plot(outcome: DemoOutcome, path: Path) -> Path:
+    from kvshare.demo.plot import write_plot
+
+    config = outcome.trace.config
+    return write_plot(
+        path,
+        outcome.results,
+        outcome.comparison,
+        trace_mod.phases(config),
+        gpu_bytes=config.gpu_memory_bytes,
+        duration_s=config.duration_s,
+    )
+
+
+@dataclass
+class _Run:
+    """The live part of one run: the servers' messages, the view, the broker's books.
+
+    Owned by the orchestrator's main thread; reader threads only put into ``messages``.
+    """
+
+    options: DemoOptions
+    trace: trace_mod.Trace
+    node: NodeAgent
+    servers: dict[tuple[Mode, int], _Child]
+    messages: queue.Queue[Any]
+    view: LiveView
+    samples: dict[tuple[Mode, int], list[Sample]] = field(default_factory=dict)
+    latest: dict[tuple[Mode, int], Sample] = field(default_factory=dict)
+    results: dict[tuple[Mode, int], ServerResult] = field(default_factory=dict)
+    broker_violations: list[BookViolation] = field(default_factory=list)
+    elastic_kv_series: list[tuple[float, int]] = field(default_factory=list)
+    checks: int = 0
+
+    def fail(self, key: tuple[Mode, int], why: str) -> DemoError:
+        child = self.servers[key]
+        return DemoError(
+            f"{child.name} failed: {why}\nlast lines of {child.log_path}:\n{child.log_tail()}"
+        )
+
+    def wait_ready(self) -> None:
+        """Block until every server's pool is up."""
+        ready: set[tuple[Mode, int]] = set()
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while len(ready) < len(self.servers):
+            try:
+                key, message = self.messages.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                late = ", ".join(self.servers[k].name for k in self.servers if k not in ready)
+                raise DemoError(f"timed out waiting for {late} to start") from None
+            if message is None or message.get("kind") == "error":
+                raise self.fail(key, (message or {}).get("message", "exited during start-up"))
+            if message.get("kind") == "ready":
+                ready.add(key)
+
+    def start(self) -> float:
+        """Give every server the same start instant; returns it."""
+        start = time.monotonic() + 0.2
+        for child in self.servers.values():
+            assert child.process.stdin is not None
+            child.process.stdin.write(json.dumps({"start": start}) + "\n")
+            child.process.stdin.flush()
+        self.samples = {key: [] for key in self.servers}
+        return start
+
+    def check_broker(self, start: float) -> None:
+        """One snapshot of the broker's books from its metrics."""
+        text = scrape(self.node.metrics_url)
+        if text is None:
+            return
+        self.checks += 1
+        t = round(time.monotonic() - start, 3)
+        for books in broker_books(text):
+            self.elastic_kv_series.append((t, books.charged))
+            if books.charged > books.budget:
+                self.broker_violations.append(
+                    BookViolation(
+                        t,
+                        f"GPU {books.gpu}: pools charged {books.charged} bytes, over the "
+                        f"budget of {books.budget}",
+                    )
+                )
+
+    def handle(self, key: tuple[Mode, int], message: dict[str, Any] | None) -> None:
+        if message is None:
+            if key not in self.results:
+                raise self.fail(key, "exited before reporting its result")
+            return
+        kind = message.get("kind")
+        if kind == "sample":
+            sample = sample_from_message(message)
+            self.samples[key].append(sample)
+            self.latest[key] = sample
+        elif kind == "result":
+            self.results[key] = ServerResult.from_message(message, self.samples[key])
+        elif kind == "error":
+            raise self.fail(key, message.get("message", "unknown error"))
+
+    def collect(self, start: float) -> None:
+        """Until every server has reported: messages, broker checks, the live view."""
+        config = self.trace.config
+        footer = [f"metrics: {self.node.metrics_url}   output: {self.options.output}/"]
+        next_scrape = next_view = 0.0
+        deadline = start + config.duration_s + FINISH_GRACE_S
+        while len(self.results) < len(self.servers):
+            now = time.monotonic()
+            if now >= next_scrape:
+                self.check_broker(start)
+                next_scrape = now + 0.5
+            if now >= next_view:
+                self.view.update(max(0.0, now - start), self.latest, footer)
+                next_view = now + 0.25
+            try:
+                key, message = self.messages.get(timeout=0.1)
+            except queue.Empty:
+                if time.monotonic() > deadline:
+                    late = [self.servers[k].name for k in self.servers if k not in self.results]
+                    raise DemoError(f"no result from {', '.join(late)} in time") from None
+                continue
+            self.handle(key, message)
+        self.view.update(config.duration_s, self.latest, footer)
+
+    def outcome(self) -> DemoOutcome:
+        keys = sorted(self.results, key=lambda k: (MODES.index(k[0]), k[1]))
+        ordered = [self.results[key] for key in keys]
+        return DemoOutcome(
+            trace=self.trace,
+            results=ordered,
+            comparison=compare(ordered, self.elastic_kv_series),
+            pool_violations=check_pool_books(ordered),
+            broker_violations=self.broker_violations,
+            problems=[p for r in ordered for p in check_consistency(r)],
+            metrics_url=self.node.metrics_url,
+            broker_checks=self.checks,
+            elastic_kv_series=self.elastic_kv_series,
+        )
+
+
+def _write_results(outcome: DemoOutcome, path: Path) -> None:
+    payload = {
+        "trace": asdict(outcome.trace.config),
+        "ratio": outcome.comparison.ratio,
+        "per_model": [asdict(s) for s in outcome.comparison.per_model],
+        "static": asdict(outcome.comparison.static),
+        "elastic": asdict(outcome.comparison.elastic),
+        "pool_violations": [asdict(v) for v in outcome.pool_violations],
+        "broker_violations": [asdict(v) for v in outcome.broker_violations],
+        "broker_checks": outcome.broker_checks,
+        "problems": outcome.problems,
+        "wall_s": outcome.wall_s,
+        "elastic_kv_series": outcome.elastic_kv_series,
+        "servers": [asdict(r) for r in outcome.results],
+    }
+    path.write_text(json.dumps(payload) + "\n", encoding="utf-8")
+
+
+def summary_table(comparison: Comparison) -> list[str]:
+    """The end-of-run table, per model and in total, both modes."""
+    header = (
+        f"{'run':<8} {'model':<8} {'served':>7} {'offered':>7} {'p50 wait':>9} "
+        f"{'p95 wait':>9} {'peak KV':>9} {'mean KV':>9} {'mean used':>9} {'preempt':>7} "
+        f"{'reclaims':>8}"
+    )
+    lines = [header, "-" * len(header)]
+    rows: Sequence[Any] = [
+        *[s for s in comparison.per_model if s.mode == "static"],
+        comparison.static,
+        *[s for s in comparison.per_model if s.mode == "elastic"],
+        comparison.elastic,
+    ]
+    for row in rows:
+        model = "total" if row.model is None else f"model-{row.model}"
+        lines.append(
+            f"{row.mode:<8} {model:<8} {row.served:>7} {row.offered:>7} "
+            f"{row.p50_wait_s:>8.2f}s {row.p95_wait_s:>8.2f}s "
+            f"{row.peak_kv / GIB:>5.2f} GiB {row.mean_kv / GIB:>5.2f} GiB "
+            f"{row.mean_used / GIB:>5.2f} GiB "
+            f"{row.preemptions:>7} {row.reclaims:>8}"
+        )
+        if row.model is None:
+            lines.append("")
+    return lines
+
+
+def report_lines(outcome: DemoOutcome, options: DemoOptions) -> list[str]:
+    """What the demo prints at the end: the table, the verdict, the checks, the files."""
+    config = outcome.trace.config
+    comparison = outcome.comparison
+    violations = [*outcome.broker_violations, *outcome.pool_violations]
+    lines = [
+        "",
+        f"Same trace ({len(outcome.trace.requests)} requests, {config.models} models, "
+        f"{config.duration_s:g} s), same {config.gpu_memory_bytes / GIB:g} GiB GPU:",
+        "",
+        *summary_table(comparison),
+        f"Elastic served {comparison.elastic.served} requests, static {comparison.static.served}"
+        f": x{comparison.ratio:.2f}. p95 queueing delay {comparison.static.p95_wait_s:.2f} s "
+        f"-> {comparison.elastic.p95_wait_s:.2f} s.",
+        f"Memory books: {outcome.broker_checks} snapshots of the broker's books and every "
+        f"pool sample checked: {len(violations)} over-commitments.",
+    ]
+    if outcome.plot is not None:
+        lines.append(f"Plot:    {outcome.plot}")
+    lines += [
+        f"Results: {outcome.summary} (the trace is {options.output / 'trace.json'}; "
+        "--trace runs it again)",
+        f"Metrics were served at {outcome.metrics_url}. Wall time {outcome.wall_s:.0f} s.",
+    ]
+    lines += [f"PROBLEM: {problem}" for problem in outcome.problems]
+    lines += [f"OVER-COMMITTED at {v.t:.2f} s: {v.what}" for v in violations[:10]]
+    return lines

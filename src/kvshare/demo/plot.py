@@ -1,0 +1,119 @@
+"""The demo's picture: KV memory per model over time, static against elastic, and delays.
+
+Three panels share the time axis: the KV memory each model holds (its lease: what it
+may map and nobody else may use) under static partitions, stacked, the same under
+elastic sharing with what the pools actually mapped as a line, and every request's queueing delay
+against its arrival time in both runs. Each model's busy windows are shaded in its
+colour, so it is visible who needed memory when, and who got it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from kvshare.demo.stats import MODES, Comparison, ServerResult
+from kvshare.demo.trace import Phase
+
+__all__ = ["write_plot"]
+
+_GIB = 2**30
+
+
+def write_plot(
+    path: Path,
+    results: Sequence[ServerResult],
+    comparison: Comparison,
+    phases: Sequence[Phase],
+    *,
+    gpu_bytes: int,
+    duration_s: float,
+) -> Path:
+    """Draw the comparison into a PNG at ``path`` and return the path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = sorted({r.model for r in results})
+    colours = [plt.get_cmap("tab10")(i % 10) for i in range(max(models, default=0) + 1)]
+    fig, axes = plt.subplots(3, 1, figsize=(11, 9), sharex=True)
+    titles = {
+        "static": "static partitions: KV memory per model (equal shares; line: mapped)",
+        "elastic": "elastic (kvshare broker): KV memory leased per model (line: mapped)",
+    }
+    for ax, mode in zip(axes[:2], MODES, strict=True):
+        mine = sorted((r for r in results if r.mode == mode), key=lambda r: r.model)
+        _shade_busy(ax, phases, colours)
+        if mine and mine[0].samples:
+            times = [s.t for s in mine[0].samples]
+            stacks = [_on(r, times, "lease") for r in mine]
+            ax.stackplot(
+                times,
+                stacks,
+                labels=[f"model-{r.model}" for r in mine],
+                colors=[colours[r.model] for r in mine],
+                alpha=0.85,
+            )
+            mapped = [sum(v) for v in zip(*(_on(r, times, "held") for r in mine), strict=True)]
+            ax.plot(times, mapped, color="black", linewidth=1, label="mapped (all models)")
+        ax.axhline(gpu_bytes / _GIB, color="black", linestyle="--", linewidth=1)
+        ax.text(0, gpu_bytes / _GIB, " GPU", va="bottom", fontsize=8)
+        ax.set_ylim(0, gpu_bytes / _GIB * 1.12)
+        ax.set_ylabel("GiB")
+        ax.set_title(titles[mode], fontsize=10, loc="left")
+        ax.legend(loc="upper right", fontsize=8, ncol=len(mine) + 1)
+
+    ax = axes[2]
+    _shade_busy(ax, phases, colours)
+    for mode, marker, colour in (("static", "x", "tab:red"), ("elastic", ".", "tab:blue")):
+        arrivals = [a for r in results if r.mode == mode for a in r.wait_arrivals_s]
+        waits = [w for r in results if r.mode == mode for w in r.waits_s]
+        summary = comparison.static if mode == "static" else comparison.elastic
+        ax.scatter(
+            arrivals,
+            waits,
+            s=10,
+            marker=marker,
+            color=colour,
+            alpha=0.6,
+            label=f"{mode}: p50 {summary.p50_wait_s:.2f} s, p95 {summary.p95_wait_s:.2f} s",
+        )
+    ax.set_ylabel("queueing delay (s)")
+    ax.set_xlabel("time since start (s); shaded: each model's busy window")
+    ax.set_title("queueing delay of each request, by arrival time", fontsize=10, loc="left")
+    ax.legend(loc="upper left", fontsize=8)
+    ax.set_xlim(0, duration_s)
+
+    fig.suptitle(
+        f"kvshare demo: {len(models)} models on one {gpu_bytes / _GIB:.1f} GiB GPU — served "
+        f"static {comparison.static.served}, elastic {comparison.elastic.served} "
+        f"(x{comparison.ratio:.2f})",
+        fontsize=11,
+    )
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def _on(result: ServerResult, times: Sequence[float], what: str) -> list[float]:
+    """GiB of sample field ``what`` at each of ``times`` (latest sample at or before it)."""
+    values = []
+    index = 0
+    samples = result.samples
+    for t in times:
+        while index + 1 < len(samples) and samples[index + 1].t <= t:
+            index += 1
+        size = getattr(samples[index], what) if samples and samples[index].t <= t else 0
+        values.append(size / _GIB)
+    return values
+
+
+def _shade_busy(ax: object, phases: Sequence[Phase], colours: Sequence[object]) -> None:
+    for phase in phases:
+        if phase.busy:
+            ax.axvspan(  # type: ignore[attr-defined]
+                phase.start_s, phase.end_s, color=colours[phase.model], alpha=0.08, linewidth=0
+            )

@@ -1,0 +1,136 @@
+"""``kvshare demo`` end to end: the node agent, six model-server processes, real pools.
+
+A short run (a few seconds of trace on a 2 GiB fake GPU) through the normal entry point,
+``python -m kvshare.cli demo``: it must finish, its counts must agree with the trace it
+ran, no memory may be over-committed at any sample, and the plot must be written.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvshare.demo import trace
+
+GIB = 2**30
+
+
+def kvshare(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kvshare.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+@pytest.fixture(scope="module")
+def short_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    out = tmp_path_factory.mktemp("demo")
+    done = kvshare(
+        "demo",
+        "--duration",
+        "6",
+        "--gpu-memory",
+        "2Gi",
+        "--seed",
+        "3",
+        "--metrics-port",
+        "0",
+        "--output",
+        str(out),
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    return out, done.stdout
+
+
+def test_a_short_demo_prints_the_comparison_and_writes_the_plot(
+    short_run: tuple[Path, str],
+) -> None:
+    out, stdout = short_run
+    assert "Same trace (" in stdout and "same 2 GiB GPU" in stdout
+    for row in ("static   model-0", "static   total", "elastic  model-2", "elastic  total"):
+        assert row in stdout
+    assert "0 over-commitments" in stdout
+    png = out / "kvshare-demo.png"
+    assert f"Plot:    {png}" in stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # Not a terminal: progress came as plain lines, not ANSI redraws.
+    assert "\x1b[" not in stdout and "[  " in stdout
+
+
+def test_served_counts_agree_with_the_trace_that_ran(short_run: tuple[Path, str]) -> None:
+    out, _ = short_run
+    ran = trace.load(out / "trace.json")
+    results: dict[str, Any] = json.loads((out / "results.json").read_text())
+    assert results["problems"] == []
+    per_model = results["per_model"]
+    assert len(per_model) == 2 * ran.config.models
+    for summary in per_model:
+        offered = len(ran.for_model(summary["model"]))
+        assert summary["offered"] == offered
+        assert 0 <= summary["served"] <= summary["arrived"] <= offered
+    for mode in ("static", "elastic"):
+        mine = [s for s in per_model if s["mode"] == mode]
+        assert results[mode]["served"] == sum(s["served"] for s in mine) > 0
+        assert results[mode]["offered"] == len(ran.requests)
+
+
+def test_no_memory_is_over_committed_at_any_sample(short_run: tuple[Path, str]) -> None:
+    out, _ = short_run
+    results: dict[str, Any] = json.loads((out / "results.json").read_text())
+    gpu = 2 * GIB
+    assert results["pool_violations"] == [] and results["broker_violations"] == []
+    # Rechecked here from the raw samples: the broker's books (read at one instant) and
+    # the static partitions never exceed the GPU; no pool grows beyond its lease.
+    assert results["broker_checks"] > 0
+    assert results["elastic_kv_series"]
+    assert all(booked <= gpu for _, booked in results["elastic_kv_series"])
+    servers = results["servers"]
+    static = [s for s in servers if s["mode"] == "static"]
+    assert sum(max(x["lease"] for x in s["samples"]) for s in static) <= gpu
+    for server in servers:
+        assert server["samples"], server["mode"]
+        previous = 0
+        for sample in server["samples"]:
+            assert sample["held"] <= previous or sample["held"] <= sample["lease_peak"]
+            previous = sample["held"]
+
+
+def test_elastic_pools_were_leased_by_the_broker(short_run: tuple[Path, str]) -> None:
+    out, _ = short_run
+    results: dict[str, Any] = json.loads((out / "results.json").read_text())
+    elastic = [s for s in results["servers"] if s["mode"] == "elastic"]
+    static = [s for s in results["servers"] if s["mode"] == "static"]
+    share = 2 * GIB // 3
+    assert all(x["lease"] == share for s in static for x in s["samples"])
+    # Elastic leases move with demand: not one fixed share.
+    assert len({x["lease"] for s in elastic for x in s["samples"]}) > 1
+
+
+def test_trace_fixes_the_size_of_the_run(tmp_path: Path) -> None:
+    path = tmp_path / "trace.json"
+    trace.save(trace.generate(trace.TraceConfig(duration_s=5)), path)
+    done = kvshare("demo", "--trace", str(path), "--duration", "10")
+    assert done.returncode == 1
+    assert "--duration cannot be combined with --trace" in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--models", "2"], "--models must be at least 3"),
+        (["--gpu-memory", "lots"], "--gpu-memory"),
+        (["--trace", "/nonexistent/trace.json"], "cannot read trace"),
+    ],
+)
+def test_bad_options_are_refused_with_the_reason(args: list[str], message: str) -> None:
+    done = kvshare("demo", *args)
+    assert done.returncode != 0
+    assert message in done.stderr
