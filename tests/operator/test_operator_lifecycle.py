@@ -47,7 +47,14 @@ async def test_a_modelserver_gets_pinned_pods_a_service_and_a_placed_status(
     start_operator()
     created = await cluster.create(
         MS,
-        modelserver(replicas=2, tensorParallelSize=2, engineArgs=["--enable-prefix-caching"]),
+        modelserver(
+            replicas=2,
+            tensorParallelSize=2,
+            engineArgs=["--enable-prefix-caching"],
+            imagePullSecrets=[{"name": "registry-credentials"}],
+            serviceAccountName="model-reader",
+            podLabels={"team": "research"},
+        ),
     )
     uid = created["metadata"]["uid"]
     pods = await wait_for(lambda: len(cluster.pods()) == 2 and cluster.pods(), "two pods")
@@ -75,6 +82,9 @@ async def test_a_modelserver_gets_pinned_pods_a_service_and_a_placed_status(
         assert values["PYTHONPATH"] == names.RUNTIME_MOUNT_DIR
         assert values[env.MODELSERVER.name] == "qwen"
         assert [c["image"] for c in spec["initContainers"]] == ["registry.example/kvshare:test"]
+        assert spec["imagePullSecrets"] == [{"name": "registry-credentials"}]
+        assert spec["serviceAccountName"] == "model-reader"
+        assert meta["labels"]["team"] == "research"
         assert {v["name"] for v in spec["volumes"]} == {"kvshare-runtime", "dshm"}
         assert name in ("qwen-0", "qwen-1")
     # Binpack fills one node first: both replicas fit on gpu-node-1's two GPUs.

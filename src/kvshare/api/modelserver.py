@@ -18,16 +18,18 @@ from pydantic import Field, StringConstraints, model_validator
 
 from kvshare.api.engines import is_supported, supported_labels
 from kvshare.api.kube import (
+    DNS_SUBDOMAIN_PATTERN,
     ByteQuantity,
     CelRule,
     Condition,
     EnvVar,
     KubeModel,
+    LocalObjectReference,
     ResourceRequirements,
     Toleration,
     cel_rules,
 )
-from kvshare.api.names import GPU_MEMORY_UNIT_BYTES, GROUP
+from kvshare.api.names import GPU_MEMORY_UNIT_BYTES, GROUP, LABEL_MANAGED_BY
 from kvshare.api.quantity import format_bytes
 
 __all__ = [
@@ -171,6 +173,69 @@ def _cel_quantity(expr: str) -> str:
     return f"quantity(string({expr}))"
 
 
+# Label and annotation keys: an optional DNS-subdomain prefix and "/", then a name of at
+# most 63 characters (Kubernetes "qualified names"). Label values: at most 63 characters.
+_QUALIFIED_NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
+_DNS_SUBDOMAIN = re.compile(DNS_SUBDOMAIN_PATTERN)
+_LABEL_VALUE_PATTERN = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"
+#: Keys under kvshare's own prefix are the operator's: it sets them on every pod it makes
+#: and reads the pods' identity and placement back from them.
+_RESERVED_PREFIX = f"{GROUP}/"
+#: Label keys podLabels may not set besides that prefix: the operator selects its pods by it.
+_RESERVED_LABELS = (LABEL_MANAGED_BY,)
+#: Most entries in podLabels and podAnnotations; with values of at most 4096 characters,
+#: podAnnotations stays within the API server's 256 KiB limit on a pod's annotations.
+_MAX_POD_METADATA = 64
+_MAX_ANNOTATION_VALUE = 4096
+
+
+def _reserved_keys(reserved: tuple[str, ...]) -> str:
+    return " or ".join((f"keys under {_RESERVED_PREFIX}", *reserved))
+
+
+def _key_problem(key: str) -> str | None:
+    """Why ``key`` is not a valid label or annotation key, or ``None``."""
+    prefix, slash, name = key.rpartition("/")
+    if slash and not (len(prefix) <= 253 and _DNS_SUBDOMAIN.match(prefix)):
+        return f"its prefix {prefix!r} must be a DNS subdomain of at most 253 characters"
+    if not (len(name) <= 63 and _QUALIFIED_NAME.match(name)):
+        return (
+            f"its name {name!r} must be 1-63 letters, digits, '-', '_' or '.', starting and "
+            "ending with a letter or digit"
+        )
+    return None
+
+
+def _pod_metadata_problems(
+    field: str, items: dict[str, str], reserved: tuple[str, ...]
+) -> list[str]:
+    """Problems with the keys of podLabels or podAnnotations (``field``)."""
+    problems = []
+    for key in items:
+        problem = _key_problem(key)
+        if problem is not None:
+            problems.append(f"{field} key {key!r} is not valid: {problem}")
+        elif key.startswith(_RESERVED_PREFIX) or key in reserved:
+            problems.append(
+                f"{field} may not set {key}: kvshare sets {_reserved_keys(reserved)} on its "
+                "pods and finds the pods by them; use another key"
+            )
+    return problems
+
+
+def _reserved_keys_rule(field: str, reserved: tuple[str, ...]) -> CelRule:
+    """The CEL rule refusing reserved keys in podLabels or podAnnotations (``field``)."""
+    allowed = f"!k.startsWith('{_RESERVED_PREFIX}')" + "".join(f" && k != '{r}'" for r in reserved)
+    return CelRule(
+        rule=f"self.all(k, {allowed})",
+        message_expression=(
+            f"'{field} may not set {_reserved_keys(reserved)}: kvshare sets them on its "
+            "pods and finds the pods by them; use other keys'"
+        ),
+        reason="FieldValueForbidden",
+    )
+
+
 class KVCacheSpec(KubeModel):
     """How much KV-cache memory each worker is guaranteed, may grow to, and gives back."""
 
@@ -287,6 +352,32 @@ class ModelServerSpec(KubeModel):
     """ModelServers (same namespace) this one never shares a GPU with."""
     placement_policy: Literal["Binpack", "Spread"] = "Binpack"
     """Binpack fills the fullest GPUs that fit first; Spread the emptiest."""
+    image_pull_secrets: list[LocalObjectReference] = Field(default=[], max_length=16)
+    """Secrets (in the ModelServer's namespace) with the credentials to pull the engine
+    image, and the kvshare image of the runtime's init container, from private registries."""
+    service_account_name: str | None = Field(
+        default=None, min_length=1, max_length=253, pattern=DNS_SUBDOMAIN_PATTERN
+    )
+    """ServiceAccount the model-server pods run as (e.g. one bound to a cloud identity that
+    may read the model from object storage); unset means the namespace's default."""
+    pod_labels: dict[
+        str, Annotated[str, StringConstraints(max_length=63, pattern=_LABEL_VALUE_PATTERN)]
+    ] = Field(
+        default={},
+        max_length=_MAX_POD_METADATA,
+        json_schema_extra=cel_rules(_reserved_keys_rule("podLabels", _RESERVED_LABELS)),
+    )
+    """Extra labels on the model-server pods (e.g. a team or cost-allocation label). Keys
+    under kvshare.io/ and app.kubernetes.io/managed-by are kvshare's own."""
+    pod_annotations: dict[
+        str, Annotated[str, StringConstraints(max_length=_MAX_ANNOTATION_VALUE)]
+    ] = Field(
+        default={},
+        max_length=_MAX_POD_METADATA,
+        json_schema_extra=cel_rules(_reserved_keys_rule("podAnnotations", ())),
+    )
+    """Extra annotations on the model-server pods (e.g. a service mesh's or a metrics
+    scraper's settings). Keys under kvshare.io/ are kvshare's own."""
 
     @model_validator(mode="after")
     def _cross_field_rules(self) -> ModelServerSpec:
@@ -311,6 +402,8 @@ class ModelServerSpec(KubeModel):
             problems.append(
                 f"{', '.join(both)} cannot be both in colocateWith and avoidColocationWith"
             )
+        problems += _pod_metadata_problems("podLabels", self.pod_labels, _RESERVED_LABELS)
+        problems += _pod_metadata_problems("podAnnotations", self.pod_annotations, ())
         for resource in (*self.resources.requests, *self.resources.limits):
             if resource.startswith((f"{GROUP}/", "nvidia.com/")):
                 problems.append(
