@@ -175,9 +175,7 @@ def test_pod_fields_parse_and_stay_out_of_the_wire_form_when_unset() -> None:
     assert parsed.pod_labels == {"team": "research", "example.com/cost-center": "ml-42"}
     assert parsed.pod_annotations == {"sidecar.istio.io/inject": "true"}
     wire = validate(ModelServerSpec, spec()).model_dump(by_alias=True, exclude_defaults=True)
-    assert not {"imagePullSecrets", "serviceAccountName", "podLabels", "podAnnotations"} & set(
-        wire
-    )
+    assert not {"imagePullSecrets", "serviceAccountName", "podLabels", "podAnnotations"} & set(wire)
 
 
 @pytest.mark.parametrize(
