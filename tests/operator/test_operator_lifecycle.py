@@ -143,6 +143,13 @@ async def test_ready_pods_make_it_ready_and_kv_usage_comes_from_the_node_agent(
     )
     assert kv == {"min": "8Gi", "lease": "20Gi", "mapped": "12Gi", "used": "6Gi"}
     assert (await metric(process, "kvshare_modelservers"))['{phase="Ready"}'] == 1.0
+    qwen = '{modelserver="qwen",namespace="llm"}'
+    assert (await metric(process, "kvshare_modelserver_status_phase"))[
+        '{modelserver="qwen",namespace="llm",phase="Ready"}'
+    ] == 1.0
+    assert (await metric(process, "kvshare_modelserver_replicas")) == {qwen: 2.0}
+    assert (await metric(process, "kvshare_modelserver_ready_replicas")) == {qwen: 2.0}
+    assert (await metric(process, "kvshare_modelserver_kv_lease_bytes")) == {qwen: 20.0 * GIB}
     assert (await metric(process, "kvshare_operator_placements_total"))['{result="placed"}'] == 2.0
 
 
@@ -231,6 +238,9 @@ async def test_deleting_a_modelserver_is_left_to_owner_references(
     uid = (await cluster.create(MS, modelserver(replicas=2)))["metadata"]["uid"]
     await wait_for(lambda: cluster.status("qwen").get("replicas") == 2, "two replicas")
     assert (await metric(process, "kvshare_modelservers"))['{phase="Starting"}'] == 1.0
+    assert (await metric(process, "kvshare_modelserver_replicas")) == {
+        '{modelserver="qwen",namespace="llm"}': 2.0
+    }
     assert "finalizers" not in cluster.get(MS, NAMESPACE, "qwen")["metadata"]  # type: ignore[index]
 
     await cluster.delete(MS, NAMESPACE, "qwen")
@@ -245,7 +255,9 @@ async def test_deleting_a_modelserver_is_left_to_owner_references(
         )  # fmt: skip
 
     async def forgotten() -> bool:
-        return sum((await metric(process, "kvshare_modelservers")).values()) == 0
+        counts = await metric(process, "kvshare_modelservers")
+        per_modelserver = await metric(process, "kvshare_modelserver_")
+        return sum(counts.values()) == 0 and per_modelserver == {}
 
     await eventually(forgotten, "the operator to forget the deleted ModelServer")
 

@@ -30,7 +30,7 @@ from kvshare.operator.client import (
 )
 from kvshare.operator.expectations import Expectations
 from kvshare.operator.keyed import KeyedRunner
-from kvshare.operator.metrics import OperatorMetrics
+from kvshare.operator.metrics import ModelServerSample, OperatorMetrics
 from kvshare.operator.plan import Create, Delete, Plan, desired_replicas, plan_replicas
 from kvshare.operator.render import (
     RuntimeImage,
@@ -258,7 +258,16 @@ class Controller:
                 _status_patch({**ms.status, **previous}, status),
             )
             self._statuses[ms.key] = status
-        self.metrics.set_phase(ms.key, status["phase"])
+        if caches.modelserver(ms.key) is not None:  # not deleted while this run awaited
+            self.metrics.observe(
+                ms.key,
+                ModelServerSample(
+                    phase=status["phase"],
+                    desired=observation.desired,
+                    ready=status["readyReplicas"],
+                    kv=observation.kv,
+                ),
+            )
         for event in events:
             log.info("%s/%s: %s: %s", ms.namespace, ms.name, event.reason, event.message)
             self._emit(ms, event)
