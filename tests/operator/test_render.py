@@ -299,3 +299,59 @@ def test_an_unscheduled_pod_reads_back_with_the_schedulers_reason() -> None:
     view = pod_view(body)
     assert view is not None
     assert view.message == "0/3 nodes are available: 3 Insufficient kvshare.io/gpu."
+
+
+def _read_back(status: dict[str, Any]) -> Any:
+    body = render()
+    body["status"] = status
+    view = pod_view(body)
+    assert view is not None
+    return view
+
+
+def test_a_pod_the_node_refused_reads_back_with_why() -> None:
+    view = _read_back(
+        {
+            "phase": "Failed",
+            "reason": "UnexpectedAdmissionError",
+            "message": "Allocate failed due to no GPU with room, which is unexpected",
+        }
+    )
+    assert view.finished
+    assert view.failure == (
+        "UnexpectedAdmissionError: Allocate failed due to no GPU with room, which is unexpected"
+    )
+
+
+def test_a_failed_pod_without_a_reason_reads_back_with_its_containers_termination() -> None:
+    killed = {"terminated": {"reason": "OOMKilled", "exitCode": 137}}
+    view = _read_back(
+        {"phase": "Failed", "containerStatuses": [{"name": "engine", "state": killed}]}
+    )
+    assert view.failure == "container engine: OOMKilled, exit code 137"
+    assert _read_back({"phase": "Running"}).failure == ""
+
+
+def test_a_container_the_kubelet_keeps_restarting_reads_back_as_crash_looping() -> None:
+    engine = {
+        "name": "engine",
+        "restartCount": 6,
+        "state": {"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 2m40s"}},
+        "lastState": {"terminated": {"reason": "Error", "exitCode": 1, "message": "x" * 5000}},
+    }
+    view = _read_back({"phase": "Running", "containerStatuses": [engine]})
+    assert view.crash_looping.startswith("container engine: Error, exit code 1: xxx")
+    assert len(view.crash_looping) <= 300  # a 4 KiB termination log is cut short
+    assert not view.finished
+
+
+def test_an_image_that_cannot_be_pulled_is_why_the_pod_is_not_ready() -> None:
+    waiting = {"reason": "ImagePullBackOff", "message": 'Back-off pulling image "vllm:x"'}
+    view = _read_back(
+        {
+            "phase": "Pending",
+            "containerStatuses": [{"name": "engine", "state": {"waiting": waiting}}],
+        }
+    )
+    assert view.message == 'container engine: ImagePullBackOff: Back-off pulling image "vllm:x"'
+    assert view.crash_looping == ""

@@ -8,7 +8,8 @@ only when ``status`` does. The four types:
 - ``Placed``: every desired replica has a node and GPUs (False says why not);
 - ``Ready``: every desired replica answers its health check;
 - ``Progressing``: replicas are being created, removed or replaced;
-- ``Degraded``: something only a change of the spec or the cluster can fix.
+- ``Degraded``: something only a change of the spec or the cluster can fix, or replicas
+  whose pods keep failing (``ReplicaFailing``, naming the pod and why it stopped).
 
 :func:`condition_events` turns condition changes into the Kubernetes Events a user sees
 in ``kubectl describe``.
@@ -23,6 +24,7 @@ from typing import Any, Literal
 from kvshare.api.kube import Condition
 from kvshare.api.kvsharenode import PoolStatus
 from kvshare.api.modelserver import KVUsage, Phase, ReplicaPlacement
+from kvshare.operator.backoff import ReplicaFailure
 from kvshare.operator.plan import Plan
 from kvshare.operator.views import PodView
 
@@ -71,6 +73,8 @@ class Observation:
     """A problem with the spec itself; nothing is planned then."""
     kv: KVUsage = field(default_factory=KVUsage)
     endpoint: str | None = None
+    failing: Sequence[ReplicaFailure] = ()
+    """Replicas whose pods keep failing, by replica index."""
 
 
 def kv_usage(pools: Sequence[PoolStatus]) -> KVUsage:
@@ -166,6 +170,10 @@ def _degraded(obs: Observation) -> tuple[str, str, str]:
         return "True", obs.problem.reason, obs.problem.message
     if obs.plan is not None and obs.plan.too_large:
         return "True", "ModelTooLarge", obs.plan.too_large
+    if obs.failing:
+        first, *others = obs.failing
+        more = f"; also failing: {', '.join(f.pod for f in others)}" if others else ""
+        return "True", "ReplicaFailing", first.describe() + more
     return "False", "AsExpected", ""
 
 
