@@ -113,5 +113,7 @@ async def test_failed_pods_are_replaced_after_growing_delays_and_say_why(
         "a ReplicaFailing event per failure",
     )
     assert all(e["type"] == "Warning" for e in warnings)
-    assert "UnexpectedAdmissionError" in warnings[0]["message"]
+    messages = sorted(e["message"] for e in warnings)  # Events list by name, not by time
+    assert "failed once (UnexpectedAdmissionError" in messages[1]
+    assert "failed 2 times in a row (container engine: OOMKilled" in messages[0]
     assert cluster.get(MS, NAMESPACE, "qwen") is not None

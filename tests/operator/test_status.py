@@ -202,6 +202,8 @@ def test_failing_replicas_are_degraded_with_the_pod_and_why_and_clear_when_ready
         "pod qwen-0 failed 3 times in a row (UnexpectedAdmissionError: Allocate failed); "
         "replica 0 is replaced 40s after its last failure; also failing: qwen-2"
     )
+    # The failed pod waits for its delay: nothing progresses meanwhile.
+    assert conditions(result)["Progressing"] == ("False", "ReplicaFailing")
     (event,) = condition_events([], result["conditions"])
     assert event == Event("Warning", "ReplicaFailing", degraded["message"])
     # The same failure on the next reconcile: no new Event.

@@ -5,7 +5,9 @@
 idempotent: it reads the ModelServer and every relevant object from kopf's watch-fed
 indexes (:class:`Caches`), never from the event that triggered it, so a run with nothing
 to do makes no API call, and a restarted operator picks up where the last one stopped.
-Runs of one ModelServer are serialized by a :class:`~.keyed.KeyedRunner`.
+Runs of one ModelServer are serialized by a :class:`~.keyed.KeyedRunner`. Besides watch
+events, one thing starts a run: the end of a failed replica's back-off (:mod:`.backoff`),
+for which the controller keeps a timer per ModelServer on the event loop.
 """
 
 from __future__ import annotations
@@ -191,7 +193,7 @@ class Controller:
         """The operator stops: drop the reconciles due later."""
         for key in list(self._wake_ups):
             self._wake_later(key, None)
-        for task in self._woken:
+        for task in list(self._woken):
             task.cancel()
 
     def affected_by_pod(

@@ -147,7 +147,7 @@ def _progressing(
     if any(d.reason == "ScaledDown" for d in plan.deletes):
         return "True", "ScalingDown", f"removing replicas down to {obs.desired}"
     creating = [c.replica for c in plan.creates]
-    starting = [p for p in serving if not p.ready]
+    starting = [p for p in serving if not p.ready and not p.finished]
     if was_rolling and (creating or starting):
         # Every replica runs the current spec; the rollout ends when the last one is ready.
         waiting = f"; waiting for {_names(starting)} to become ready" if starting else ""
@@ -160,6 +160,8 @@ def _progressing(
         return "True", "CreatingReplicas", f"creating replica(s) {', '.join(map(str, creating))}"
     if starting:
         return "True", "ReplicasStarting", f"waiting for {_names(starting)} to become ready"
+    if obs.failing:
+        return "False", "ReplicaFailing", "failed pods are replaced after a delay (see Degraded)"
     if plan.unplaced:
         return "False", "WaitingForCapacity", "replicas wait for GPU capacity (see Placed)"
     return "False", "UpToDate", "all replicas run the current spec"
