@@ -19,7 +19,7 @@ TOOLS := .tools
 HELM  := $(TOOLS)/bin/helm
 CHART := charts/kvshare
 
-.PHONY: help venv proto test lint format bench demo gpu-check docs clean tools prometheus crds rbac dashboard runtime-bundle
+.PHONY: help venv proto engines test lint format bench demo gpu-check docs clean tools prometheus crds rbac dashboard runtime-bundle
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -e 's/:.*## /\t/'
@@ -56,7 +56,10 @@ prometheus:  ## Prometheus + promtool from Debian's package (apt-get, as root; i
 
 tools: $(HELM) prometheus  ## the binaries the chart tests run: helm, prometheus, promtool
 
-test: $(DEV_STAMP) $(PROTO_STUBS) tools  ## run the test suite
+engines: $(DEV_STAMP)  ## install the pinned vLLM/SGLang test environments into .engines/
+	$(PY) tools/engine_env.py build
+
+test: $(DEV_STAMP) $(PROTO_STUBS) tools engines  ## run the test suite
 	$(PY) -m pytest
 
 lint: $(DEV_STAMP) $(PROTO_STUBS)  ## ruff (lint + format check) and mypy
@@ -97,4 +100,4 @@ runtime-bundle: $(DEV_STAMP)  ## build the injected runtime into out/runtime (as
 		--python-versions $(shell $(PY) -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
 
 clean:  ## remove the virtualenv and caches
-	rm -rf $(VENV) $(TOOLS) out .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(TOOLS) .engines out .pytest_cache .mypy_cache .ruff_cache .hypothesis

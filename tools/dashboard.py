@@ -8,6 +8,10 @@ running node agent. Panels are declared here compactly; Grafana's JSON is derive
 Queries use ``$node``, ``$gpu``, ``$namespace`` and ``$modelserver`` (multi-value, regex
 matchers) and ``$__rate_interval``. The node agents are ``job="kvshare-node-agent"`` and
 the operator ``job="kvshare-operator"`` (the chart's PodMonitor/ServiceMonitor set them).
+The ModelServer variables list what the operator serves, so ModelServers that no GPU runs
+yet (unschedulable ones) have their panels too. Operator series are taken with ``max``
+over operator replicas: only the active one has per-ModelServer series, and a standby
+one reports zero counts.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 GPU = 'node=~"$node", gpu=~"$gpu"'
 POOL = 'namespace=~"$namespace", modelserver=~"$modelserver"'
 NODE_AGENT = 'job="kvshare-node-agent"'
+MODELSERVER = f'job="kvshare-operator", {POOL}'
 
 
 @dataclass(frozen=True)
@@ -45,6 +50,8 @@ class Panel:
     height: int = 8
     stacked: bool = False
     repeat: str | None = None
+    repeat_direction: str = "h"
+    """``h``: copies side by side; ``v``: copies stacked, beside another ``v`` panel's."""
     overrides: tuple[dict[str, Any], ...] = field(default=())
 
 
@@ -122,6 +129,29 @@ ROWS: tuple[Row, ...] = (
                 ),
                 unit="bytes",
                 repeat="modelserver",
+                repeat_direction="v",
+                width=16,
+            ),
+            Panel(
+                "Replicas of $modelserver",
+                "Replicas the ModelServer's spec asks for against those whose engine "
+                "answers its health check. Ready below desired for longer than "
+                "monitoring.alerts.notReadyFor fires KVShareModelServerNotReady; the "
+                "ModelServer's Ready and Degraded conditions say why.",
+                (
+                    Query(
+                        "max by (namespace, modelserver) "
+                        f"(kvshare_modelserver_replicas{{{MODELSERVER}}})",
+                        "desired",
+                    ),
+                    Query(
+                        "max by (namespace, modelserver) "
+                        f"(kvshare_modelserver_ready_replicas{{{MODELSERVER}}})",
+                        "ready",
+                    ),
+                ),
+                repeat="modelserver",
+                repeat_direction="v",
                 width=8,
             ),
         ),
@@ -188,7 +218,37 @@ ROWS: tuple[Row, ...] = (
                     ),
                 ),
                 unit="ops",
-                width=6,
+                width=8,
+            ),
+            Panel(
+                "Unschedulable ModelServers",
+                "Each ModelServer with replicas no GPU has room for (static memory plus "
+                "kvCache.min), while it is so. Longer than monitoring.alerts.unschedulableFor "
+                "fires KVShareModelServerUnschedulable; its Placed condition says why.",
+                (
+                    Query(
+                        "max by (namespace, modelserver) (kvshare_modelserver_status_phase"
+                        f'{{{MODELSERVER}, phase="Unschedulable"}}) == 1',
+                        "{{namespace}}/{{modelserver}}",
+                    ),
+                ),
+                kind="state-timeline",
+                width=8,
+            ),
+            Panel(
+                "ModelServers not ready",
+                "Each ModelServer that is Pending, Starting or Degraded, while it is so, "
+                "by phase. Longer than monitoring.alerts.notReadyFor fires "
+                "KVShareModelServerNotReady; its Ready and Degraded conditions say why.",
+                (
+                    Query(
+                        "max by (namespace, modelserver, phase) (kvshare_modelserver_status_phase"
+                        f'{{{MODELSERVER}, phase=~"Pending|Starting|Degraded"}}) == 1',
+                        "{{namespace}}/{{modelserver}} {{phase}}",
+                    ),
+                ),
+                kind="state-timeline",
+                width=8,
             ),
             Panel(
                 "ModelServers by phase",
@@ -202,7 +262,7 @@ ROWS: tuple[Row, ...] = (
                     ),
                 ),
                 stacked=True,
-                width=6,
+                width=8,
             ),
             Panel(
                 "Reconcile time",
@@ -221,7 +281,7 @@ ROWS: tuple[Row, ...] = (
                     ),
                 ),
                 unit="s",
-                width=6,
+                width=8,
             ),
             Panel(
                 "Node agents up",
@@ -232,7 +292,7 @@ ROWS: tuple[Row, ...] = (
                     Query(f"count(up{{{NODE_AGENT}}})", "known"),
                 ),
                 kind="stat",
-                width=6,
+                width=8,
             ),
         ),
     ),
@@ -242,13 +302,36 @@ ROWS: tuple[Row, ...] = (
 VARIABLES: tuple[tuple[str, str, str], ...] = (
     ("node", "Node", "label_values(kvshare_gpu_memory_total_bytes, node)"),
     ("gpu", "GPU", 'label_values(kvshare_gpu_memory_total_bytes{node=~"$node"}, gpu)'),
-    ("namespace", "Namespace", "label_values(kvshare_pool_kv_lease_bytes, namespace)"),
+    (
+        "namespace",
+        "Namespace",
+        'label_values(kvshare_modelserver_replicas{job="kvshare-operator"}, namespace)',
+    ),
     (
         "modelserver",
         "ModelServer",
-        'label_values(kvshare_pool_kv_lease_bytes{namespace=~"$namespace"}, modelserver)',
+        "label_values(kvshare_modelserver_replicas"
+        '{job="kvshare-operator", namespace=~"$namespace"}, modelserver)',
     ),
 )
+
+
+def _display(panel: Panel) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Field defaults and options of ``panel``'s kind of visualization."""
+    defaults: dict[str, Any] = {"unit": panel.unit}
+    legend = {"displayMode": "list", "placement": "bottom"}
+    if panel.kind == "timeseries":
+        custom: dict[str, Any] = {"fillOpacity": 60 if panel.stacked else 10, "lineWidth": 1}
+        if panel.stacked:
+            custom["stacking"] = {"mode": "normal", "group": "A"}
+        return {**defaults, "custom": custom}, {"legend": legend}
+    if panel.kind == "state-timeline":
+        # One row per series, filled while the series exists (its value is always 1).
+        defaults["custom"] = {"fillOpacity": 80, "lineWidth": 0}
+        defaults["color"] = {"mode": "fixed", "fixedColor": "orange"}
+        options = {"showValue": "never", "mergeValues": True, "rowHeight": 0.8}
+        return defaults, {**options, "legend": {**legend, "showLegend": False}}
+    return defaults, {"reduceOptions": {"calcs": ["lastNotNull"]}, "textMode": "value_and_name"}
 
 
 def _panel_json(panel: Panel, panel_id: int, x: int, y: int) -> dict[str, Any]:
@@ -256,9 +339,7 @@ def _panel_json(panel: Panel, panel_id: int, x: int, y: int) -> dict[str, Any]:
         {"datasource": DATASOURCE, "expr": q.expr, "legendFormat": q.legend, "refId": chr(65 + i)}
         for i, q in enumerate(panel.queries)
     ]
-    custom: dict[str, Any] = {"fillOpacity": 60 if panel.stacked else 10, "lineWidth": 1}
-    if panel.stacked:
-        custom["stacking"] = {"mode": "normal", "group": "A"}
+    defaults, options = _display(panel)
     out: dict[str, Any] = {
         "id": panel_id,
         "type": panel.kind,
@@ -267,21 +348,14 @@ def _panel_json(panel: Panel, panel_id: int, x: int, y: int) -> dict[str, Any]:
         "datasource": DATASOURCE,
         "gridPos": {"x": x, "y": y, "w": panel.width, "h": panel.height},
         "targets": targets,
-        "fieldConfig": {
-            "defaults": {
-                "unit": panel.unit,
-                **({"custom": custom} if panel.kind == "timeseries" else {}),
-            },
-            "overrides": list(panel.overrides),
-        },
-        "options": {"legend": {"displayMode": "list", "placement": "bottom"}}
-        if panel.kind == "timeseries"
-        else {"reduceOptions": {"calcs": ["lastNotNull"]}, "textMode": "value_and_name"},
+        "fieldConfig": {"defaults": defaults, "overrides": list(panel.overrides)},
+        "options": options,
     }
     if panel.repeat:
         out["repeat"] = panel.repeat
-        out["repeatDirection"] = "h"
-        out["maxPerRow"] = 24 // panel.width
+        out["repeatDirection"] = panel.repeat_direction
+        if panel.repeat_direction == "h":
+            out["maxPerRow"] = 24 // panel.width
     return out
 
 

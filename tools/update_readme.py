@@ -13,12 +13,15 @@ from pathlib import Path
 
 from kvshare.api import env
 from kvshare.deviceplugin import metrics as node_metrics
+from kvshare.runtime.engines import docs as engine_docs
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 #: block name -> function producing its content.
 BLOCKS: dict[str, Callable[[], str]] = {
     "env-table": env.markdown_table,
+    "engine-support": engine_docs.support_table,
+    "engine-patches": engine_docs.patch_table,
     "node-metrics": node_metrics.markdown_table,
 }
 

@@ -113,6 +113,42 @@ INVALID = [
     (("spec.tensorParallelSize", 3), "spec.tensorParallelSize: 3 is not one of", "tensorParallel"),
     (("spec.staticMemory", "18GB"), "spec.staticMemory: '18GB' does not match", "staticMemory: "),
     (("spec.replicas", -1), "spec.replicas: -1 is less than the minimum of 0", "replicas: "),
+    (
+        ("spec.podLabels", {"team": "a", "kvshare.io/replica": "7"}),
+        "podLabels may not set keys under kvshare.io/ or app.kubernetes.io/managed-by: kvshare "
+        "sets them on its pods and finds the pods by them; use other keys",
+        "podLabels may not set kvshare.io/replica",
+    ),
+    (
+        ("spec.podLabels", {"app.kubernetes.io/managed-by": "argocd"}),
+        "podLabels may not set keys under kvshare.io/ or app.kubernetes.io/managed-by",
+        "podLabels may not set app.kubernetes.io/managed-by",
+    ),
+    (
+        ("spec.podAnnotations", {"kvshare.io/gpus": "GPU-0"}),
+        "podAnnotations may not set keys under kvshare.io/: kvshare sets them",
+        "podAnnotations may not set kvshare.io/gpus",
+    ),
+    (
+        ("spec.podLabels", {f"l{i}": "x" for i in range(65)}),
+        "spec.podLabels: {",
+        "podLabels: Dictionary should have at most 64 items",
+    ),
+    (
+        ("spec.podAnnotations", {"note": "x" * 4097}),
+        "spec.podAnnotations.note: 'xxx",
+        "podAnnotations.note: String should have at most 4096 characters",
+    ),
+    (
+        ("spec.imagePullSecrets", [{"name": "Registry_Credentials"}]),
+        "spec.imagePullSecrets.0.name: 'Registry_Credentials' does not match",
+        "imagePullSecrets[0].name: String should match pattern",
+    ),
+    (
+        ("spec.serviceAccountName", "Model Reader"),
+        "spec.serviceAccountName: 'Model Reader' does not match",
+        "serviceAccountName: String should match pattern",
+    ),
 ]
 
 

@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 
+from kvshare.api.engines import is_supported
 from kvshare.api.kube import SpecError, validate
 from kvshare.api.modelserver import (
     ENGINE_COMMAND_LINES,
@@ -13,7 +14,6 @@ from kvshare.api.modelserver import (
     EngineVersionError,
     ModelServerSpec,
     image_tag_version,
-    supported_engine_version,
 )
 
 GIB = 2**30
@@ -132,12 +132,12 @@ def test_engine_version_is_read_from_the_image_tag(image: str, version: str | No
 
 
 def test_supported_versions_match_by_whole_components() -> None:
-    assert supported_engine_version("vllm", "0.33.4")
-    assert supported_engine_version("vllm", "0.30.0")
-    assert not supported_engine_version("vllm", "0.331.0")
-    assert supported_engine_version("sglang", "0.5.23.post1")
-    assert not supported_engine_version("sglang", "0.5.2")
-    assert not supported_engine_version("sglang", "0.5.21")
+    assert is_supported("vllm", "0.33.4")
+    assert is_supported("vllm", "0.30.0")
+    assert not is_supported("vllm", "0.331.0")
+    assert is_supported("sglang", "0.5.23.post1")
+    assert not is_supported("sglang", "0.5.2")
+    assert not is_supported("sglang", "0.5.21")
 
 
 def test_unknown_or_unsupported_versions_say_what_to_set() -> None:
@@ -158,3 +158,59 @@ def test_managed_flags_come_from_the_engine_command_lines() -> None:
         assert set(ENGINE_MANAGED_FLAGS[engine]) == set(command.managed_flags())
         argv = command.argv(model="m", port=1, tensor_parallel_size=1)[len(command.program) :]
         assert {a for a in argv if a.startswith("-")} <= set(command.managed_flags())
+
+
+def test_pod_fields_parse_and_stay_out_of_the_wire_form_when_unset() -> None:
+    parsed = validate(
+        ModelServerSpec,
+        spec(
+            imagePullSecrets=[{"name": "registry-credentials"}],
+            serviceAccountName="model-reader",
+            podLabels={"team": "research", "example.com/cost-center": "ml-42"},
+            podAnnotations={"sidecar.istio.io/inject": "true"},
+        ),
+    )
+    assert [ref.name for ref in parsed.image_pull_secrets] == ["registry-credentials"]
+    assert parsed.service_account_name == "model-reader"
+    assert parsed.pod_labels == {"team": "research", "example.com/cost-center": "ml-42"}
+    assert parsed.pod_annotations == {"sidecar.istio.io/inject": "true"}
+    wire = validate(ModelServerSpec, spec()).model_dump(by_alias=True, exclude_defaults=True)
+    assert not {"imagePullSecrets", "serviceAccountName", "podLabels", "podAnnotations"} & set(wire)
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        (
+            {"podLabels": {"kvshare.io/modelserver": "other"}},
+            "podLabels may not set kvshare.io/modelserver: kvshare sets keys under kvshare.io/ "
+            "or app.kubernetes.io/managed-by on its pods and finds the pods by them",
+        ),
+        (
+            {"podLabels": {"app.kubernetes.io/managed-by": "helm"}},
+            "podLabels may not set app.kubernetes.io/managed-by: kvshare sets",
+        ),
+        (
+            {"podAnnotations": {"kvshare.io/node": "gpu-node-9"}},
+            "podAnnotations may not set kvshare.io/node: kvshare sets keys under kvshare.io/ on",
+        ),
+        (
+            {"podLabels": {"team/": "x"}},
+            "podLabels key 'team/' is not valid: its name '' must be 1-63 letters",
+        ),
+        (
+            {"podAnnotations": {"Example.com/x": "y"}},
+            "podAnnotations key 'Example.com/x' is not valid: its prefix 'Example.com' must be",
+        ),
+        ({"podLabels": {"team": "not valid"}}, "podLabels.team: String should match pattern"),
+        ({"podLabels": {"team": "x" * 64}}, "podLabels.team: String should have at most 63"),
+        ({"imagePullSecrets": [{"name": "Bad_Name"}]}, "imagePullSecrets[0].name: String should"),
+        ({"imagePullSecrets": [{}]}, "imagePullSecrets[0].name is required"),
+        ({"serviceAccountName": "-bad"}, "serviceAccountName: String should match pattern"),
+    ],
+)
+def test_pod_fields_are_checked_with_messages_that_name_the_key(
+    override: dict[str, Any], expected: str
+) -> None:
+    (found,) = problems(spec(**override))
+    assert found.startswith(expected), found

@@ -19,7 +19,8 @@ from typing import Any
 import yaml
 
 from tests.chart.prometheus import tool
-from tests.operator.harness import StartOperator, wait_for
+from tests.operator.harness import MS, Cluster, Gpu, StartOperator, wait_for
+from tests.operator.specs import modelserver
 
 #: Generous: the suite must pass on a loaded 2-core machine.
 TIMEOUT = 90.0
@@ -37,12 +38,20 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-async def operator_metrics_port(start_operator: StartOperator) -> int:
+async def operator_metrics_port(cluster: Cluster, start_operator: StartOperator) -> int:
     """Start ``kvshare operator`` (a real process) against the test's kmock cluster (the
     operator tests' ``cluster``/``start_operator`` fixtures, which also check on teardown
     that every API call it made is one the chart's RBAC, generated from the same list,
-    allows); returns its metrics port."""
+    allows) with two ModelServers on one 80Gi GPU: ``qwen`` placed and Starting, ``big``
+    Unschedulable next to it. Returns the operator's metrics port once both are so."""
+    await cluster.add_gpu_node("gpu-node-1", [Gpu("GPU-1a")])
     process = start_operator("operator-a")
+    await cluster.create(MS, modelserver("qwen"))
+    await wait_for(lambda: cluster.status("qwen").get("phase") == "Starting", "qwen Starting")
+    await cluster.create(MS, modelserver("big", staticMemory="70Gi", kvCache={"min": "4Gi"}))
+    await wait_for(
+        lambda: cluster.status("big").get("phase") == "Unschedulable", "big Unschedulable"
+    )
     return await wait_for(process.metrics_port, "the operator's metrics port", TIMEOUT)
 
 

@@ -33,6 +33,18 @@ def _alert(labels: dict[str, str], summary: str, description: str, runbook: str)
     }
 
 
+def _phases(operator: str, modelserver: str, values: dict[str, str]) -> list[tuple[str, str]]:
+    """Series of ``kvshare_modelserver_status_phase`` for ModelServer llm/``modelserver``."""
+    return [
+        (
+            f'kvshare_modelserver_status_phase{{{operator}, namespace="llm", '
+            f'modelserver="{modelserver}", phase="{phase}"}}',
+            series,
+        )
+        for phase, series in values.items()
+    ]
+
+
 def _case(
     series: list[tuple[str, str]], alert: str, quiet_at: str, fires_at: str, expected: Any
 ) -> dict[str, Any]:
@@ -118,42 +130,50 @@ CASES = [
             "kvsharereclaimoverdue",
         ),
     ),
-    # Two ModelServers Unschedulable from minute 1 on the active operator replica; the
-    # standby replica reports zeros throughout.
+    # ModelServer llm/big is Unschedulable from minute 1 on the active operator replica, and
+    # on a second replica too from minute 3 (as during a hand-over): one alert, for it only.
+    # llm/qwen stays Ready; llm/flaky is Unschedulable for 5 minutes only.
     _case(
         [
-            (f'kvshare_modelservers{{{OP_A}, phase="Unschedulable"}}', "0 2x20"),
-            (f'kvshare_modelservers{{{OP_B}, phase="Unschedulable"}}', "0x21"),
-            (f'kvshare_modelservers{{{OP_A}, phase="Ready"}}', "3x21"),
+            *_phases(OP_A, "big", {"Unschedulable": "0 1x20", "Pending": "1 0x20"}),
+            *_phases(OP_B, "big", {"Unschedulable": "_ _ _ 1x18"}),
+            *_phases(OP_A, "qwen", {"Ready": "1x21", "Unschedulable": "0x21"}),
+            *_phases(OP_A, "flaky", {"Unschedulable": "1x4 0x16", "Starting": "0x4 1x16"}),
         ],
         "KVShareModelServerUnschedulable",
         "8m",
         "12m",
         _alert(
-            {"severity": "warning"},
-            "2 ModelServers cannot be placed",
-            "For 10m, 2 ModelServers have had replicas that no GPUs have room for (static "
-            "memory plus kvCache.min); `kubectl get modelservers -A` lists them and their "
-            "Placed condition says why.",
+            {"severity": "warning", "namespace": "llm", "modelserver": "big"},
+            "ModelServer llm/big cannot be placed",
+            "For 10m, replicas of ModelServer llm/big have found no GPUs with room for their "
+            "static memory plus kvCache.min; `kubectl -n llm describe modelserver big` shows "
+            "why in its Placed condition.",
             "kvsharemodelserverunschedulable",
         ),
     ),
-    # One ModelServer Starting from minute 2 and never Ready; the others are Ready.
+    # llm/qwen is Starting from minute 2 and Degraded from minute 10, never Ready: the move
+    # between phases does not restart the alert's `for`. llm/llama starts for 5 minutes and
+    # is Ready; llm/mistral is Ready throughout.
     _case(
         [
-            (f'kvshare_modelservers{{{OP_A}, phase="Starting"}}', "0 0 1x28"),
-            (f'kvshare_modelservers{{{OP_A}, phase="Pending"}}', "0x30"),
-            (f'kvshare_modelservers{{{OP_A}, phase="Degraded"}}', "0x30"),
-            (f'kvshare_modelservers{{{OP_A}, phase="Ready"}}', "4x30"),
+            *_phases(
+                OP_A,
+                "qwen",
+                {"Ready": "1 1 0x29", "Starting": "0 0 1x7 0x21", "Degraded": "0x9 1x21"},
+            ),
+            *_phases(OP_A, "llama", {"Starting": "1x5 0x25", "Ready": "0x5 1x25"}),
+            *_phases(OP_A, "mistral", {"Ready": "1x30", "Starting": "0x30"}),
         ],
         "KVShareModelServerNotReady",
         "10m",
         "20m",
         _alert(
-            {"severity": "warning"},
-            "1 ModelServers are not ready",
-            "For 15m, 1 ModelServers have been Pending, Starting or Degraded instead of Ready; "
-            "`kubectl get modelservers -A` lists them.",
+            {"severity": "warning", "namespace": "llm", "modelserver": "qwen"},
+            "ModelServer llm/qwen is not ready",
+            "For 15m, ModelServer llm/qwen has been Pending, Starting or Degraded instead of "
+            "Ready; `kubectl -n llm describe modelserver qwen` shows why in its Ready and "
+            "Degraded conditions.",
             "kvsharemodelservernotready",
         ),
     ),

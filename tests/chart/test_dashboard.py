@@ -82,6 +82,24 @@ def test_dashboard_has_the_panels_users_look_for() -> None:
         assert f"kvshare_broker_{counter}_total" in broker
     assert "histogram_quantile" in titles["Reclaim latency"]["targets"][0]["expr"]
     assert {"Placements per second", "ModelServers by phase", "Node agents up"} <= set(titles)
+    # Per ModelServer, by name: ready against desired, and which ones the two ModelServer
+    # alerts are about.
+    replicas = titles["Replicas of $modelserver"]
+    assert replicas["repeat"] == "modelserver"
+    assert [t["legendFormat"] for t in replicas["targets"]] == ["desired", "ready"]
+    assert "kvshare_modelserver_ready_replicas" in replicas["targets"][1]["expr"]
+    for title, phases in (
+        ("Unschedulable ModelServers", 'phase="Unschedulable"'),
+        ("ModelServers not ready", 'phase=~"Pending|Starting|Degraded"'),
+    ):
+        (target,) = titles[title]["targets"]
+        assert "kvshare_modelserver_status_phase" in target["expr"] and phases in target["expr"]
+        assert target["legendFormat"].startswith("{{namespace}}/{{modelserver}}")
+    # Every ModelServer the operator serves has its panels, placed on a GPU or not.
+    variables = {
+        v["name"]: v["definition"] for v in board["templating"]["list"] if v["type"] == "query"
+    }
+    assert "kvshare_modelserver_replicas" in variables["modelserver"]
     for panel in board["panels"]:
         assert panel["type"] == "row" or panel["description"], panel["title"]
 

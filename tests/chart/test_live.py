@@ -26,7 +26,7 @@ from tests.chart.test_dashboard import (
 )
 from tests.deviceplugin.conftest import AgentProcess, PoolProcess, wait_until
 from tests.operator.conftest import cluster, start_operator  # noqa: F401 (fixtures)
-from tests.operator.harness import StartOperator, wait_for
+from tests.operator.harness import Cluster, StartOperator, wait_for
 
 MIB = 2**20
 #: What the broker can lend on the fake 2 GiB GPU after its 256 MiB headroom.
@@ -53,11 +53,13 @@ def promtool_check_metrics(text: str) -> subprocess.CompletedProcess[str]:
 
 @pytest.mark.asyncio
 async def test_operator_metrics_pass_promtool_check_metrics(
+    cluster: Cluster,  # noqa: F811
     start_operator: StartOperator,  # noqa: F811
 ) -> None:
-    port = await operator_metrics_port(start_operator)
+    port = await operator_metrics_port(cluster, start_operator)
     text = http_get(f"http://127.0.0.1:{port}/metrics")
     assert "kvshare_operator_placements_total" in text
+    assert 'kvshare_modelserver_status_phase{modelserver="big",namespace="llm"' in text
     done = promtool_check_metrics(text)
     assert done.returncode == 0, done.stdout + done.stderr
 
@@ -138,12 +140,14 @@ def test_helm_test_script_passes_against_the_node_agent() -> None:
 @pytest.mark.asyncio
 async def test_prometheus_scraping_node_agent_and_operator_answers_every_dashboard_query(
     tmp_path: Path,
+    cluster: Cluster,  # noqa: F811
     start_operator: StartOperator,  # noqa: F811
 ) -> None:
     """Every query of the dashboard (panels and variables, all variables at "All") returns
-    series from a real Prometheus scraping a real node agent and a real operator."""
+    series from a real Prometheus scraping a real node agent and a real operator (serving
+    a Starting and an Unschedulable ModelServer)."""
     queries = _dashboard_queries()
-    operator_port = await operator_metrics_port(start_operator)
+    operator_port = await operator_metrics_port(cluster, start_operator)
     with node_agent_with_traded_memory() as agent:
         targets = [
             Target("kvshare-operator", f"127.0.0.1:{operator_port}", {}),

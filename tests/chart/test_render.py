@@ -251,6 +251,14 @@ def test_monitors_set_the_job_names_the_dashboard_and_alerts_select() -> None:
     ]
 
 
+def test_monitors_keep_the_namespace_and_pod_labels_of_kvshares_own_series() -> None:
+    """Per-ModelServer and per-pool series name the model server's namespace (and pod);
+    the target's labels of the same name (kvshare's own pod) must not displace them."""
+    rendered = template({"monitoring.enabled": True}, PROMETHEUS_OPERATOR)
+    assert rendered.one("PodMonitor")["spec"]["podMetricsEndpoints"][0]["honorLabels"] is True
+    assert rendered.one("ServiceMonitor")["spec"]["endpoints"][0]["honorLabels"] is True
+
+
 def test_dashboard_configmap_carries_the_dashboard_and_the_sidecar_label() -> None:
     rendered = template({"dashboard.labels": {"grafana": "dashboards"}})
     config_map = rendered.one("ConfigMap", "-dashboard")

@@ -88,6 +88,10 @@ def test_the_registry_has_the_operator_metrics() -> None:
         "kvshare_operator_placements",
         "kvshare_operator_reconcile_errors",
         "kvshare_modelservers",
+        "kvshare_modelserver_status_phase",
+        "kvshare_modelserver_replicas",
+        "kvshare_modelserver_ready_replicas",
+        "kvshare_modelserver_kv_used_bytes",
     } <= names_
 
 

@@ -47,7 +47,14 @@ async def test_a_modelserver_gets_pinned_pods_a_service_and_a_placed_status(
     start_operator()
     created = await cluster.create(
         MS,
-        modelserver(replicas=2, tensorParallelSize=2, engineArgs=["--enable-prefix-caching"]),
+        modelserver(
+            replicas=2,
+            tensorParallelSize=2,
+            engineArgs=["--enable-prefix-caching"],
+            imagePullSecrets=[{"name": "registry-credentials"}],
+            serviceAccountName="model-reader",
+            podLabels={"team": "research"},
+        ),
     )
     uid = created["metadata"]["uid"]
     pods = await wait_for(lambda: len(cluster.pods()) == 2 and cluster.pods(), "two pods")
@@ -75,6 +82,9 @@ async def test_a_modelserver_gets_pinned_pods_a_service_and_a_placed_status(
         assert values["PYTHONPATH"] == names.RUNTIME_MOUNT_DIR
         assert values[env.MODELSERVER.name] == "qwen"
         assert [c["image"] for c in spec["initContainers"]] == ["registry.example/kvshare:test"]
+        assert spec["imagePullSecrets"] == [{"name": "registry-credentials"}]
+        assert spec["serviceAccountName"] == "model-reader"
+        assert meta["labels"]["team"] == "research"
         assert {v["name"] for v in spec["volumes"]} == {"kvshare-runtime", "dshm"}
         assert name in ("qwen-0", "qwen-1")
     # Binpack fills one node first: both replicas fit on gpu-node-1's two GPUs.
@@ -133,6 +143,13 @@ async def test_ready_pods_make_it_ready_and_kv_usage_comes_from_the_node_agent(
     )
     assert kv == {"min": "8Gi", "lease": "20Gi", "mapped": "12Gi", "used": "6Gi"}
     assert (await metric(process, "kvshare_modelservers"))['{phase="Ready"}'] == 1.0
+    qwen = '{modelserver="qwen",namespace="llm"}'
+    assert (await metric(process, "kvshare_modelserver_status_phase"))[
+        '{modelserver="qwen",namespace="llm",phase="Ready"}'
+    ] == 1.0
+    assert (await metric(process, "kvshare_modelserver_replicas")) == {qwen: 2.0}
+    assert (await metric(process, "kvshare_modelserver_ready_replicas")) == {qwen: 2.0}
+    assert (await metric(process, "kvshare_modelserver_kv_lease_bytes")) == {qwen: 20.0 * GIB}
     assert (await metric(process, "kvshare_operator_placements_total"))['{result="placed"}'] == 2.0
 
 
@@ -221,6 +238,9 @@ async def test_deleting_a_modelserver_is_left_to_owner_references(
     uid = (await cluster.create(MS, modelserver(replicas=2)))["metadata"]["uid"]
     await wait_for(lambda: cluster.status("qwen").get("replicas") == 2, "two replicas")
     assert (await metric(process, "kvshare_modelservers"))['{phase="Starting"}'] == 1.0
+    assert (await metric(process, "kvshare_modelserver_replicas")) == {
+        '{modelserver="qwen",namespace="llm"}': 2.0
+    }
     assert "finalizers" not in cluster.get(MS, NAMESPACE, "qwen")["metadata"]  # type: ignore[index]
 
     await cluster.delete(MS, NAMESPACE, "qwen")
@@ -235,7 +255,9 @@ async def test_deleting_a_modelserver_is_left_to_owner_references(
         )  # fmt: skip
 
     async def forgotten() -> bool:
-        return sum((await metric(process, "kvshare_modelservers")).values()) == 0
+        counts = await metric(process, "kvshare_modelservers")
+        per_modelserver = await metric(process, "kvshare_modelserver_")
+        return sum(counts.values()) == 0 and per_modelserver == {}
 
     await eventually(forgotten, "the operator to forget the deleted ModelServer")
 

@@ -82,6 +82,17 @@ def test_a_finished_pod_is_replaced_and_its_index_waits_until_it_is_gone() -> No
     assert gone.deletes == () and gone.creates == ()
 
 
+def test_a_failed_pod_of_a_held_replica_stays_and_nothing_takes_its_index() -> None:
+    pods = [pod(0, template=NEW, phase="Failed", ready=False), pod(1, template=NEW)]
+    result = plan_replicas(desired(2), pods, lambda: cluster(pods), held={0})
+    assert result == Plan()
+    # Scaling down still removes a held replica.
+    assert deleted(plan_replicas(desired(0), pods, lambda: cluster(pods), held={0})) == [
+        ("qwen-1", "ScaledDown"),
+        ("qwen-0", "ScaledDown"),
+    ]
+
+
 def test_a_spec_change_replaces_the_highest_ready_replica_first() -> None:
     pods = [pod(i) for i in range(3)]
     result = plan(desired(3), pods)

@@ -181,6 +181,40 @@ def test_probes_ask_the_engines_health_endpoint_on_its_port() -> None:
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 3600
 
 
+def test_pull_secrets_service_account_labels_and_annotations_reach_the_pod() -> None:
+    pod = render(
+        replica=2,
+        imagePullSecrets=[{"name": "registry-credentials"}, {"name": "mirror"}],
+        serviceAccountName="model-reader",
+        podLabels={"team": "research"},
+        podAnnotations={"sidecar.istio.io/inject": "false"},
+    )
+    spec = pod["spec"]
+    assert spec["imagePullSecrets"] == [{"name": "registry-credentials"}, {"name": "mirror"}]
+    assert spec["serviceAccountName"] == "model-reader"
+    # The user's labels join kvshare's, which the Service and the operator select by.
+    assert pod["metadata"]["labels"] == {
+        "team": "research",
+        names.LABEL_MODELSERVER: "qwen",
+        names.LABEL_REPLICA: "2",
+        names.LABEL_TEMPLATE_HASH: "abc123",
+        names.LABEL_MANAGED_BY: names.MANAGED_BY,
+    }
+    assert pod["metadata"]["annotations"] == {
+        "sidecar.istio.io/inject": "false",
+        names.ANNOTATION_NODE: "gpu-node-3",
+        names.ANNOTATION_GPUS: "GPU-3a,GPU-3b",
+    }
+    view = pod_view({**pod, "metadata": {**pod["metadata"], "uid": "u-2"}})
+    assert view is not None and (view.replica, view.node) == (2, "gpu-node-3")
+
+
+def test_without_them_the_pod_uses_the_namespace_defaults() -> None:
+    spec = render()["spec"]
+    assert "imagePullSecrets" not in spec
+    assert "serviceAccountName" not in spec
+
+
 def test_tolerations_pass_through_and_service_links_are_off() -> None:
     toleration = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
     pod = render(tolerations=[toleration])
@@ -229,6 +263,16 @@ def test_template_hash_follows_what_shapes_the_pod_and_only_that() -> None:
     assert template_hash(parsed(placementPolicy="Spread", avoidColocationWith=["x"])) == base
     # A default spelled out is the same spec.
     assert template_hash(parsed(port=8000, dtype="bfloat16")) == base
+    assert template_hash(parsed(imagePullSecrets=[], podLabels={}, podAnnotations={})) == base
+    # What the pod runs as and carries rolls the replicas like any other pod change.
+    pod_fields = [
+        {"imagePullSecrets": [{"name": "registry-credentials"}]},
+        {"serviceAccountName": "model-reader"},
+        {"podLabels": {"team": "research"}},
+        {"podAnnotations": {"sidecar.istio.io/inject": "false"}},
+    ]
+    hashes = {template_hash(parsed(**change)) for change in pod_fields}
+    assert len(hashes) == len(pod_fields) and base not in hashes
 
 
 def test_the_pod_reads_back_as_the_view_placement_counts() -> None:
@@ -255,3 +299,59 @@ def test_an_unscheduled_pod_reads_back_with_the_schedulers_reason() -> None:
     view = pod_view(body)
     assert view is not None
     assert view.message == "0/3 nodes are available: 3 Insufficient kvshare.io/gpu."
+
+
+def _read_back(status: dict[str, Any]) -> Any:
+    body = render()
+    body["status"] = status
+    view = pod_view(body)
+    assert view is not None
+    return view
+
+
+def test_a_pod_the_node_refused_reads_back_with_why() -> None:
+    view = _read_back(
+        {
+            "phase": "Failed",
+            "reason": "UnexpectedAdmissionError",
+            "message": "Allocate failed due to no GPU with room, which is unexpected",
+        }
+    )
+    assert view.finished
+    assert view.failure == (
+        "UnexpectedAdmissionError: Allocate failed due to no GPU with room, which is unexpected"
+    )
+
+
+def test_a_failed_pod_without_a_reason_reads_back_with_its_containers_termination() -> None:
+    killed = {"terminated": {"reason": "OOMKilled", "exitCode": 137}}
+    view = _read_back(
+        {"phase": "Failed", "containerStatuses": [{"name": "engine", "state": killed}]}
+    )
+    assert view.failure == "container engine: OOMKilled, exit code 137"
+    assert _read_back({"phase": "Running"}).failure == ""
+
+
+def test_a_container_the_kubelet_keeps_restarting_reads_back_as_crash_looping() -> None:
+    engine = {
+        "name": "engine",
+        "restartCount": 6,
+        "state": {"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 2m40s"}},
+        "lastState": {"terminated": {"reason": "Error", "exitCode": 1, "message": "x" * 5000}},
+    }
+    view = _read_back({"phase": "Running", "containerStatuses": [engine]})
+    assert view.crash_looping.startswith("container engine: Error, exit code 1: xxx")
+    assert len(view.crash_looping) <= 300  # a 4 KiB termination log is cut short
+    assert not view.finished
+
+
+def test_an_image_that_cannot_be_pulled_is_why_the_pod_is_not_ready() -> None:
+    waiting = {"reason": "ImagePullBackOff", "message": 'Back-off pulling image "vllm:x"'}
+    view = _read_back(
+        {
+            "phase": "Pending",
+            "containerStatuses": [{"name": "engine", "state": {"waiting": waiting}}],
+        }
+    )
+    assert view.message == 'container engine: ImagePullBackOff: Back-off pulling image "vllm:x"'
+    assert view.crash_looping == ""

@@ -8,6 +8,7 @@ from typing import Any
 
 from kvshare.api.kvsharenode import PoolStatus
 from kvshare.api.placement import Placement
+from kvshare.operator.backoff import ReplicaFailure
 from kvshare.operator.plan import Create, Plan, Rollout
 from kvshare.operator.status import (
     Event,
@@ -182,3 +183,33 @@ def test_not_ready_replicas_say_what_the_scheduler_or_kubelet_said() -> None:
         "1/2 replicas ready; not ready: qwen-1; "
         "qwen-1: 0/3 nodes are available: 3 Insufficient kvshare.io/gpu."
     )
+
+
+def test_failing_replicas_are_degraded_with_the_pod_and_why_and_clear_when_ready() -> None:
+    failed = replace(pod(0, ready=False, phase="Failed"), message="Evicted: low on memory")
+    failing = (
+        ReplicaFailure(0, "qwen-0", "UnexpectedAdmissionError: Allocate failed", 3, 40),
+        ReplicaFailure(2, "qwen-2", "container engine: Error, exit code 1"),
+    )
+    obs = Observation(
+        generation=1, desired=3, pods=[failed, pod(1), pod(2)], plan=Plan(), failing=failing
+    )
+    result = status(obs)
+    assert result["phase"] == "Degraded"
+    degraded = next(c for c in result["conditions"] if c["type"] == "Degraded")
+    assert (degraded["status"], degraded["reason"]) == ("True", "ReplicaFailing")
+    assert degraded["message"] == (
+        "pod qwen-0 failed 3 times in a row (UnexpectedAdmissionError: Allocate failed); "
+        "replica 0 is replaced 40s after its last failure; also failing: qwen-2"
+    )
+    # The failed pod waits for its delay: nothing progresses meanwhile.
+    assert conditions(result)["Progressing"] == ("False", "ReplicaFailing")
+    (event,) = condition_events([], result["conditions"])
+    assert event == Event("Warning", "ReplicaFailing", degraded["message"])
+    # The same failure on the next reconcile: no new Event.
+    assert condition_events(result["conditions"], status(obs, result)["conditions"]) == []
+    recovered = status(
+        Observation(generation=1, desired=3, pods=[pod(0), pod(1), pod(2)], plan=Plan()), result
+    )
+    assert recovered["phase"] == "Ready"
+    assert conditions(recovered)["Degraded"] == ("False", "AsExpected")

@@ -30,11 +30,13 @@ from pydantic.alias_generators import to_camel
 from kvshare.api.quantity import QUANTITY_PATTERN, format_bytes, parse_bytes
 
 __all__ = [
+    "DNS_SUBDOMAIN_PATTERN",
     "ByteQuantity",
     "CelRule",
     "Condition",
     "EnvVar",
     "KubeModel",
+    "LocalObjectReference",
     "ResourceRequirements",
     "SpecError",
     "Toleration",
@@ -154,6 +156,17 @@ class EnvVar(KubeModel):
         default=None, json_schema_extra={"x-kubernetes-preserve-unknown-fields": True}
     )
     """A core/v1 EnvVarSource (secretKeyRef, configMapKeyRef, fieldRef, ...)."""
+
+
+#: A Kubernetes object name (RFC 1123 subdomain), as names of Secrets and ServiceAccounts are.
+DNS_SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+
+
+class LocalObjectReference(KubeModel):
+    """A reference to an object in the same namespace by name (core/v1 LocalObjectReference)."""
+
+    name: str = Field(min_length=1, max_length=253, pattern=DNS_SUBDOMAIN_PATTERN)
+    """Name of the object."""
 
 
 class ResourceRequirements(KubeModel):

@@ -16,23 +16,25 @@ from typing import Annotated, Literal
 
 from pydantic import Field, StringConstraints, model_validator
 
+from kvshare.api.engines import is_supported, supported_labels
 from kvshare.api.kube import (
+    DNS_SUBDOMAIN_PATTERN,
     ByteQuantity,
     CelRule,
     Condition,
     EnvVar,
     KubeModel,
+    LocalObjectReference,
     ResourceRequirements,
     Toleration,
     cel_rules,
 )
-from kvshare.api.names import GPU_MEMORY_UNIT_BYTES, GROUP
+from kvshare.api.names import GPU_MEMORY_UNIT_BYTES, GROUP, LABEL_MANAGED_BY
 from kvshare.api.quantity import format_bytes
 
 __all__ = [
     "ENGINE_COMMAND_LINES",
     "ENGINE_MANAGED_FLAGS",
-    "SUPPORTED_ENGINE_VERSIONS",
     "Engine",
     "EngineCommandLine",
     "EngineVersionError",
@@ -43,7 +45,6 @@ __all__ = [
     "Phase",
     "ReplicaPlacement",
     "image_tag_version",
-    "supported_engine_version",
 ]
 
 Engine = Literal["vllm", "sglang"]
@@ -130,13 +131,6 @@ ENGINE_MANAGED_FLAGS: dict[str, tuple[str, ...]] = {
     engine: command.managed_flags() for engine, command in ENGINE_COMMAND_LINES.items()
 }
 
-#: Engine versions kvshare's runtime hooks support, as version prefixes: "0.33" accepts
-#: every 0.33.x, "0.5.23" accepts 0.5.23 and its post releases.
-SUPPORTED_ENGINE_VERSIONS: dict[str, tuple[str, ...]] = {
-    "vllm": ("0.33", "0.30"),
-    "sglang": ("0.5.23", "0.5.20"),
-}
-
 _VERSION_IN_TAG = re.compile(r"^v?([0-9]+\.[0-9]+(?:\.[0-9]+)?(?:\.post[0-9]+)?)(?:[-+_].*)?$")
 
 
@@ -152,15 +146,6 @@ def image_tag_version(image: str) -> str | None:
         return None
     match = _VERSION_IN_TAG.match(tag)
     return match.group(1) if match else None
-
-
-def supported_engine_version(engine: str, version: str) -> bool:
-    """Whether ``version`` of ``engine`` matches an entry of SUPPORTED_ENGINE_VERSIONS."""
-    parts = version.split(".")
-    return any(
-        parts[: len(prefix.split("."))] == prefix.split(".")
-        for prefix in SUPPORTED_ENGINE_VERSIONS.get(engine, ())
-    )
 
 
 _ALL_MANAGED_FLAGS = tuple(sorted({f for flags in ENGINE_MANAGED_FLAGS.values() for f in flags}))
@@ -186,6 +171,69 @@ _Name = Annotated[
 
 def _cel_quantity(expr: str) -> str:
     return f"quantity(string({expr}))"
+
+
+# Label and annotation keys: an optional DNS-subdomain prefix and "/", then a name of at
+# most 63 characters (Kubernetes "qualified names"). Label values: at most 63 characters.
+_QUALIFIED_NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
+_DNS_SUBDOMAIN = re.compile(DNS_SUBDOMAIN_PATTERN)
+_LABEL_VALUE_PATTERN = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"
+#: Keys under kvshare's own prefix are the operator's: it sets them on every pod it makes
+#: and reads the pods' identity and placement back from them.
+_RESERVED_PREFIX = f"{GROUP}/"
+#: Label keys podLabels may not set besides that prefix: the operator selects its pods by it.
+_RESERVED_LABELS = (LABEL_MANAGED_BY,)
+#: Most entries in podLabels and podAnnotations; with values of at most 4096 characters,
+#: podAnnotations stays within the API server's 256 KiB limit on a pod's annotations.
+_MAX_POD_METADATA = 64
+_MAX_ANNOTATION_VALUE = 4096
+
+
+def _reserved_keys(reserved: tuple[str, ...]) -> str:
+    return " or ".join((f"keys under {_RESERVED_PREFIX}", *reserved))
+
+
+def _key_problem(key: str) -> str | None:
+    """Why ``key`` is not a valid label or annotation key, or ``None``."""
+    prefix, slash, name = key.rpartition("/")
+    if slash and not (len(prefix) <= 253 and _DNS_SUBDOMAIN.match(prefix)):
+        return f"its prefix {prefix!r} must be a DNS subdomain of at most 253 characters"
+    if not (len(name) <= 63 and _QUALIFIED_NAME.match(name)):
+        return (
+            f"its name {name!r} must be 1-63 letters, digits, '-', '_' or '.', starting and "
+            "ending with a letter or digit"
+        )
+    return None
+
+
+def _pod_metadata_problems(
+    field: str, items: dict[str, str], reserved: tuple[str, ...]
+) -> list[str]:
+    """Problems with the keys of podLabels or podAnnotations (``field``)."""
+    problems = []
+    for key in items:
+        problem = _key_problem(key)
+        if problem is not None:
+            problems.append(f"{field} key {key!r} is not valid: {problem}")
+        elif key.startswith(_RESERVED_PREFIX) or key in reserved:
+            problems.append(
+                f"{field} may not set {key}: kvshare sets {_reserved_keys(reserved)} on its "
+                "pods and finds the pods by them; use another key"
+            )
+    return problems
+
+
+def _reserved_keys_rule(field: str, reserved: tuple[str, ...]) -> CelRule:
+    """The CEL rule refusing reserved keys in podLabels or podAnnotations (``field``)."""
+    allowed = f"!k.startsWith('{_RESERVED_PREFIX}')" + "".join(f" && k != '{r}'" for r in reserved)
+    return CelRule(
+        rule=f"self.all(k, {allowed})",
+        message_expression=(
+            f"'{field} may not set {_reserved_keys(reserved)}: kvshare sets them on its "
+            "pods and finds the pods by them; use other keys'"
+        ),
+        reason="FieldValueForbidden",
+    )
 
 
 class KVCacheSpec(KubeModel):
@@ -304,6 +352,32 @@ class ModelServerSpec(KubeModel):
     """ModelServers (same namespace) this one never shares a GPU with."""
     placement_policy: Literal["Binpack", "Spread"] = "Binpack"
     """Binpack fills the fullest GPUs that fit first; Spread the emptiest."""
+    image_pull_secrets: list[LocalObjectReference] = Field(default=[], max_length=16)
+    """Secrets (in the ModelServer's namespace) with the credentials to pull the engine
+    image, and the kvshare image of the runtime's init container, from private registries."""
+    service_account_name: str | None = Field(
+        default=None, min_length=1, max_length=253, pattern=DNS_SUBDOMAIN_PATTERN
+    )
+    """ServiceAccount the model-server pods run as (e.g. one bound to a cloud identity that
+    may read the model from object storage); unset means the namespace's default."""
+    pod_labels: dict[
+        str, Annotated[str, StringConstraints(max_length=63, pattern=_LABEL_VALUE_PATTERN)]
+    ] = Field(
+        default={},
+        max_length=_MAX_POD_METADATA,
+        json_schema_extra=cel_rules(_reserved_keys_rule("podLabels", _RESERVED_LABELS)),
+    )
+    """Extra labels on the model-server pods (e.g. a team or cost-allocation label). Keys
+    under kvshare.io/ and app.kubernetes.io/managed-by are kvshare's own."""
+    pod_annotations: dict[
+        str, Annotated[str, StringConstraints(max_length=_MAX_ANNOTATION_VALUE)]
+    ] = Field(
+        default={},
+        max_length=_MAX_POD_METADATA,
+        json_schema_extra=cel_rules(_reserved_keys_rule("podAnnotations", ())),
+    )
+    """Extra annotations on the model-server pods (e.g. a service mesh's or a metrics
+    scraper's settings). Keys under kvshare.io/ are kvshare's own."""
 
     @model_validator(mode="after")
     def _cross_field_rules(self) -> ModelServerSpec:
@@ -328,6 +402,8 @@ class ModelServerSpec(KubeModel):
             problems.append(
                 f"{', '.join(both)} cannot be both in colocateWith and avoidColocationWith"
             )
+        problems += _pod_metadata_problems("podLabels", self.pod_labels, _RESERVED_LABELS)
+        problems += _pod_metadata_problems("podAnnotations", self.pod_annotations, ())
         for resource in (*self.resources.requests, *self.resources.limits):
             if resource.startswith((f"{GROUP}/", "nvidia.com/")):
                 problems.append(
@@ -355,15 +431,13 @@ class ModelServerSpec(KubeModel):
         or not one kvshare's runtime hooks support.
         """
         version = self.engine_version or image_tag_version(self.image)
-        supported = ", ".join(
-            f"{v}.x" if v.count(".") == 1 else v for v in SUPPORTED_ENGINE_VERSIONS[self.engine]
-        )
+        supported = supported_labels(self.engine)
         if version is None:
             raise EngineVersionError(
                 f"cannot tell the {self.engine} version from image {self.image}: set "
                 f"spec.engineVersion (supported: {supported})"
             )
-        if not supported_engine_version(self.engine, version):
+        if not is_supported(self.engine, version):
             raise EngineVersionError(
                 f"{self.engine} {version} is not supported by this kvshare version "
                 f"(supported: {supported}); use a supported image, or set "

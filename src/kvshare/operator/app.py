@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 import kopf
 
+from kvshare.operator.backoff import FailureBackoff
 from kvshare.operator.client import KubeApi
 from kvshare.operator.controller import Controller
 from kvshare.operator.handlers import build_registry
@@ -28,7 +29,13 @@ def serve(config: OperatorConfig, configuration: Configuration) -> int:
     if logging.getLogger().getEffectiveLevel() > logging.DEBUG:
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     metrics = default_metrics()
-    controller = Controller(KubeApi(configuration), config.runtime, metrics, config.retry_delays)
+    controller = Controller(
+        KubeApi(configuration),
+        config.runtime,
+        metrics,
+        config.retry_delays,
+        FailureBackoff(config.replica_backoff),
+    )
     endpoint = HttpEndpoint(metrics.registry, config.metrics_port)
     registry = build_registry(config, controller, endpoint, configuration)
     settings = kopf.OperatorSettings()

@@ -7,8 +7,20 @@ import sys
 from pathlib import Path
 
 from kvshare.api import env, names
+from kvshare.operator.backoff import BackoffPolicy
 
 PULL_POLICIES = ("IfNotPresent", "Always", "Never")
+
+
+def _seconds(text: str) -> float:
+    """A positive number of seconds, for argparse."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds")
+    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,6 +46,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"kvshare image whose runtime bundle is injected; default: ${env.IMAGE.name}",
     )
     pods.add_argument("--image-pull-policy", choices=PULL_POLICIES, default="IfNotPresent")
+    defaults = BackoffPolicy()
+    pods.add_argument(
+        "--replica-backoff",
+        type=_seconds,
+        default=defaults.initial,
+        metavar="SECONDS",
+        help="how long a replica whose pod failed waits before its next pod; doubled after "
+        "each further failure in a row (default: %(default)g)",
+    )
+    pods.add_argument(
+        "--replica-backoff-max",
+        type=_seconds,
+        default=defaults.maximum,
+        metavar="SECONDS",
+        help="the longest such wait (default: %(default)g)",
+    )
+    pods.add_argument(
+        "--replica-backoff-reset",
+        type=_seconds,
+        default=defaults.reset_after,
+        metavar="SECONDS",
+        help="how long a replica must stay ready before its failures are forgotten "
+        "(default: %(default)g)",
+    )
     peering = parser.add_argument_group("replicas (kopf peering)")
     peering.add_argument(
         "--peering",
@@ -118,6 +154,11 @@ def run(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port,
         webhook_cert_dir=args.webhook_cert_dir,
         webhook_port=args.webhook_port,
+        replica_backoff=BackoffPolicy(
+            initial=args.replica_backoff,
+            maximum=max(args.replica_backoff, args.replica_backoff_max),
+            reset_after=args.replica_backoff_reset,
+        ),
     )
     from kvshare.operator.app import serve
 

@@ -5,11 +5,14 @@
 idempotent: it reads the ModelServer and every relevant object from kopf's watch-fed
 indexes (:class:`Caches`), never from the event that triggered it, so a run with nothing
 to do makes no API call, and a restarted operator picks up where the last one stopped.
-Runs of one ModelServer are serialized by a :class:`~.keyed.KeyedRunner`.
+Runs of one ModelServer are serialized by a :class:`~.keyed.KeyedRunner`. Besides watch
+events, one thing starts a run: the end of a failed replica's back-off (:mod:`.backoff`),
+for which the controller keeps a timer per ModelServer on the event loop.
 """
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import logging
 import time
@@ -20,6 +23,7 @@ from typing import Any
 from kvshare.api.kube import SpecError, validate
 from kvshare.api.modelserver import EngineVersionError, ModelServerSpec
 from kvshare.api.quantity import format_bytes_human
+from kvshare.operator.backoff import FailureBackoff, ReplicaFailures
 from kvshare.operator.capacity import Capacity, build_capacity, group_of
 from kvshare.operator.client import (
     ApiError,
@@ -30,7 +34,7 @@ from kvshare.operator.client import (
 )
 from kvshare.operator.expectations import Expectations
 from kvshare.operator.keyed import KeyedRunner
-from kvshare.operator.metrics import OperatorMetrics
+from kvshare.operator.metrics import ModelServerSample, OperatorMetrics
 from kvshare.operator.plan import Create, Delete, Plan, desired_replicas, plan_replicas
 from kvshare.operator.render import (
     RuntimeImage,
@@ -138,11 +142,13 @@ class Controller:
         runtime: RuntimeImage,
         metrics: OperatorMetrics,
         retry_delays: Iterable[float] = (0.5, 1, 2, 5, 10, 30),
+        backoff: FailureBackoff | None = None,
     ) -> None:
         self.api = api
         self.runtime = runtime
         self.metrics = metrics
         self.expectations = Expectations()
+        self.backoff = backoff or FailureBackoff()
         self.runner: KeyedRunner[ModelServerKey] = KeyedRunner(
             self._reconcile_once, self._report_failure, tuple(retry_delays)
         )
@@ -154,6 +160,10 @@ class Controller:
         self._statuses: dict[ModelServerKey, dict[str, Any]] = {}
         self._waiting_for_capacity: set[ModelServerKey] = set()
         self._node_views: dict[str, NodeView] = {}
+        # A reconcile due when a held-back replica may be replaced: nothing else may happen
+        # to the ModelServer until then, so no watch event would bring it.
+        self._wake_ups: dict[ModelServerKey, asyncio.TimerHandle] = {}
+        self._woken: set[asyncio.Task[None]] = set()
 
     # --- entry points (called by the kopf handlers) --------------------------------
 
@@ -174,8 +184,17 @@ class Controller:
         self._services.pop(key, None)
         self._statuses.pop(key, None)
         self._waiting_for_capacity.discard(key)
+        self.backoff.forget(key)
+        self._wake_later(key, None)
         self.metrics.forget(key)
         log.info("forgot ModelServer %s/%s", *key)
+
+    def close(self) -> None:
+        """The operator stops: drop the reconciles due later."""
+        for key in list(self._wake_ups):
+            self._wake_later(key, None)
+        for task in list(self._woken):
+            task.cancel()
 
     def affected_by_pod(
         self, event: str, namespace: str | None, modelserver: str | None
@@ -223,11 +242,15 @@ class Controller:
         spec, problem = _validate(ms)
         events: list[Event] = []
         plan = None
+        failures = ReplicaFailures()
         if spec is not None and problem is None:
+            template = template_hash(spec)
+            failures = self.backoff.observe(ms.key, pods, template, spec.replicas)
             plan = plan_replicas(
-                desired_replicas(ms.namespace, ms.name, spec, template_hash(spec)),
+                desired_replicas(ms.namespace, ms.name, spec, template),
                 pods,
                 lambda: self._capacity(caches),
+                failures.held,
             )
             self._count_placements(plan)
             pods, problem = await self._execute(ms, spec, plan, pods, events)
@@ -247,9 +270,11 @@ class Controller:
             problem=problem,
             kv=kv_usage(pools),
             endpoint=endpoint(ms, spec) if spec is not None else None,
+            failing=failures.failing,
         )
         status = compute_status(observation, previous, _now())
         self._track_capacity_wait(ms.key, plan)
+        self._wake_later(ms.key, failures.wake_in)
         events += condition_events(previous.get("conditions") or [], status["conditions"])
         events += self._scale_event(previous, spec)
         if status != previous:
@@ -258,7 +283,16 @@ class Controller:
                 _status_patch({**ms.status, **previous}, status),
             )
             self._statuses[ms.key] = status
-        self.metrics.set_phase(ms.key, status["phase"])
+        if caches.modelserver(ms.key) is not None:  # not deleted while this run awaited
+            self.metrics.observe(
+                ms.key,
+                ModelServerSample(
+                    phase=status["phase"],
+                    desired=observation.desired,
+                    ready=status["readyReplicas"],
+                    kv=observation.kv,
+                ),
+            )
         for event in events:
             log.info("%s/%s: %s: %s", ms.namespace, ms.name, event.reason, event.message)
             self._emit(ms, event)
@@ -277,6 +311,23 @@ class Controller:
             self.expectations.overlay(caches.all_pods()),
             avoid,
         )
+
+    def _wake_later(self, key: ModelServerKey, delay: float | None) -> None:
+        """Reconcile ``key`` again in ``delay`` seconds (``None``: not on a timer)."""
+        handle = self._wake_ups.pop(key, None)
+        if handle is not None:
+            handle.cancel()
+        if delay is not None:
+            # A little late rather than early: the run must find the delay passed.
+            self._wake_ups[key] = asyncio.get_running_loop().call_later(
+                delay + 0.05, self._wake, key
+            )
+
+    def _wake(self, key: ModelServerKey) -> None:
+        self._wake_ups.pop(key, None)
+        task = asyncio.ensure_future(self.runner.request(key))
+        self._woken.add(task)
+        task.add_done_callback(self._woken.discard)
 
     def _count_placements(self, plan: Plan) -> None:
         if plan.creates:
@@ -419,7 +470,8 @@ def _delete_event(delete: Delete, plan: Plan) -> Event:
             "RollingUpdate",
             f"replacing replica {pod.replica} (pod {pod.name}) with the current spec{progress}",
         )
-    detail = f": {pod.message}" if pod.message else ""
+    why = pod.failure or pod.message
+    detail = f": {why}" if why else ""
     return Event(
         "Warning", "ReplicaFailed", f"pod {pod.name} {pod.phase.lower()}{detail}; replacing it"
     )

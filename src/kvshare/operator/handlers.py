@@ -88,6 +88,7 @@ def build_registry(
     @kopf.on.cleanup(registry=registry)
     async def stop(**_: Any) -> None:
         await endpoint.stop()
+        controller.close()
         controller.api.close()
 
     # --- indexes ----------------------------------------------------------------------

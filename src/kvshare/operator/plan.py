@@ -7,7 +7,8 @@ the replicas that cannot be placed, with the reason. Rules:
 - Replica ``i`` is pod ``<name>-<i>``: one pod per index, so a restarted operator finds
   every replica by name and never makes a second one.
 - Scale down removes the highest indexes first; scale up creates every missing index.
-- A pod that finished (Failed, e.g. evicted, or Succeeded) is deleted and made again.
+- A pod that finished (Failed, e.g. evicted, or Succeeded) is deleted and made again,
+  unless its replica is held back after failing (see :mod:`.backoff`): then it stays.
 - A spec change rolls one replica at a time: a pod whose template hash is outdated is
   replaced only when no replacement is in flight (nothing terminating, every updated pod
   ready). Unready outdated pods go first (replacing them costs no availability); a ready
@@ -19,7 +20,7 @@ the replicas that cannot be placed, with the reason. Rules:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -182,11 +183,13 @@ def plan_replicas(
     desired: Desired,
     pods: Iterable[PodView],
     capacity: Callable[[], Capacity],
+    held: Collection[int] = (),
 ) -> Plan:
     """The next steps for ``desired`` given its existing ``pods``.
 
     ``capacity`` is called only when something must be placed; it returns the cluster's
     capacity with every known pod, these ``pods`` included, as current placements.
+    The finished pods of the ``held`` replicas are kept, not replaced yet.
     """
     by_index: dict[int, PodView] = {}
     for pod in sorted(pods, key=lambda p: (p.terminating, p.name)):
@@ -199,7 +202,7 @@ def plan_replicas(
             continue
         if index >= desired.replicas:
             deletes.append(Delete(pod, "ScaledDown"))
-        elif pod.finished:
+        elif pod.finished and index not in held:
             deletes.append(Delete(pod, "Replaced"))
 
     missing = [i for i in range(desired.replicas) if i not in by_index]

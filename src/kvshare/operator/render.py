@@ -256,19 +256,23 @@ def render_pod(
     runtime: RuntimeImage,
 ) -> dict[str, Any]:
     """Replica ``replica``'s pod, pinned to ``placement``, labelled with hash ``template``."""
-    pod = {
+    pod: dict[str, Any] = {
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": {
             "name": pod_name(ms.name, replica),
             "namespace": ms.namespace,
+            # The spec's own labels and annotations never use kvshare's keys (validated),
+            # so the order only documents which ones the operator relies on.
             "labels": {
+                **spec.pod_labels,
                 names.LABEL_MODELSERVER: ms.name,
                 names.LABEL_REPLICA: str(replica),
                 names.LABEL_TEMPLATE_HASH: template,
                 names.LABEL_MANAGED_BY: names.MANAGED_BY,
             },
             "annotations": {
+                **spec.pod_annotations,
                 names.ANNOTATION_NODE: placement.node,
                 names.ANNOTATION_GPUS: ",".join(placement.gpus),
             },
@@ -301,6 +305,11 @@ def render_pod(
             "volumes": [{"name": SHM_VOLUME, "emptyDir": {"medium": "Memory"}}],
         },
     }
+    if spec.image_pull_secrets:
+        # Pod-wide: they serve the runtime's init container (the kvshare image) too.
+        pod["spec"]["imagePullSecrets"] = [ref.to_wire() for ref in spec.image_pull_secrets]
+    if spec.service_account_name is not None:
+        pod["spec"]["serviceAccountName"] = spec.service_account_name
     return inject_runtime(pod, runtime, [ENGINE_CONTAINER])
 
 

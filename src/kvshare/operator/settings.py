@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvshare.api import names
+from kvshare.operator.backoff import BackoffPolicy
 from kvshare.operator.render import RuntimeImage
 
 if TYPE_CHECKING:
@@ -64,6 +65,8 @@ class OperatorConfig:
     webhook_port: int = names.WEBHOOK_PORT
     retry_delays: tuple[float, ...] = (0.5, 1, 2, 5, 10, 30)
     """Seconds between retries of a failed reconcile."""
+    replica_backoff: BackoffPolicy = field(default_factory=BackoffPolicy)
+    """How long a replica whose pods keep failing waits before its next pod."""
 
 
 def configure_kopf(settings: kopf.OperatorSettings, config: OperatorConfig) -> None:

@@ -8,7 +8,8 @@ only when ``status`` does. The four types:
 - ``Placed``: every desired replica has a node and GPUs (False says why not);
 - ``Ready``: every desired replica answers its health check;
 - ``Progressing``: replicas are being created, removed or replaced;
-- ``Degraded``: something only a change of the spec or the cluster can fix.
+- ``Degraded``: something only a change of the spec or the cluster can fix, or replicas
+  whose pods keep failing (``ReplicaFailing``, naming the pod and why it stopped).
 
 :func:`condition_events` turns condition changes into the Kubernetes Events a user sees
 in ``kubectl describe``.
@@ -23,6 +24,7 @@ from typing import Any, Literal
 from kvshare.api.kube import Condition
 from kvshare.api.kvsharenode import PoolStatus
 from kvshare.api.modelserver import KVUsage, Phase, ReplicaPlacement
+from kvshare.operator.backoff import ReplicaFailure
 from kvshare.operator.plan import Plan
 from kvshare.operator.views import PodView
 
@@ -71,6 +73,8 @@ class Observation:
     """A problem with the spec itself; nothing is planned then."""
     kv: KVUsage = field(default_factory=KVUsage)
     endpoint: str | None = None
+    failing: Sequence[ReplicaFailure] = ()
+    """Replicas whose pods keep failing, by replica index."""
 
 
 def kv_usage(pools: Sequence[PoolStatus]) -> KVUsage:
@@ -143,7 +147,7 @@ def _progressing(
     if any(d.reason == "ScaledDown" for d in plan.deletes):
         return "True", "ScalingDown", f"removing replicas down to {obs.desired}"
     creating = [c.replica for c in plan.creates]
-    starting = [p for p in serving if not p.ready]
+    starting = [p for p in serving if not p.ready and not p.finished]
     if was_rolling and (creating or starting):
         # Every replica runs the current spec; the rollout ends when the last one is ready.
         waiting = f"; waiting for {_names(starting)} to become ready" if starting else ""
@@ -156,6 +160,8 @@ def _progressing(
         return "True", "CreatingReplicas", f"creating replica(s) {', '.join(map(str, creating))}"
     if starting:
         return "True", "ReplicasStarting", f"waiting for {_names(starting)} to become ready"
+    if obs.failing:
+        return "False", "ReplicaFailing", "failed pods are replaced after a delay (see Degraded)"
     if plan.unplaced:
         return "False", "WaitingForCapacity", "replicas wait for GPU capacity (see Placed)"
     return "False", "UpToDate", "all replicas run the current spec"
@@ -166,6 +172,10 @@ def _degraded(obs: Observation) -> tuple[str, str, str]:
         return "True", obs.problem.reason, obs.problem.message
     if obs.plan is not None and obs.plan.too_large:
         return "True", "ModelTooLarge", obs.plan.too_large
+    if obs.failing:
+        first, *others = obs.failing
+        more = f"; also failing: {', '.join(f.pod for f in others)}" if others else ""
+        return "True", "ReplicaFailing", first.describe() + more
     return "False", "AsExpected", ""
 
 

@@ -95,6 +95,12 @@ class PodView:
     terminating: bool = False
     message: str = ""
     """Why the pod failed or is not ready, when the kubelet says."""
+    failure: str = ""
+    """Why a finished pod stopped: the pod's reason and message (e.g. an eviction, or GPUs
+    refused at admission), else its last container termination."""
+    crash_looping: str = ""
+    """Set while the kubelet holds back a container that keeps exiting (CrashLoopBackOff):
+    the container and its last termination."""
 
     @property
     def key(self) -> ModelServerKey:
@@ -168,7 +174,40 @@ def pod_view(body: Mapping[str, Any]) -> PodView | None:
         ready=ready,
         terminating=bool(meta.get("deletionTimestamp")),
         message=_pod_message(status),
+        failure=_pod_failure(status),
+        crash_looping=_crash_loop(status),
     )
+
+
+#: Longest piece of a kubelet message (a container's termination log can be 4 KiB) kept.
+_MAX_DETAIL = 300
+#: Container waiting reasons that are the normal way to start, not worth reporting.
+_STARTING = frozenset({"ContainerCreating", "PodInitializing"})
+
+
+def _clip(text: str) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= _MAX_DETAIL else text[: _MAX_DETAIL - 3] + "..."
+
+
+def _container_statuses(status: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    return [*(status.get("initContainerStatuses") or ()), *(status.get("containerStatuses") or ())]
+
+
+def _termination(container: Mapping[str, Any]) -> str:
+    """A container's current or last termination: ``engine: OOMKilled, exit code 137``."""
+    for state in (container.get("state") or {}, container.get("lastState") or {}):
+        ended = state.get("terminated")
+        if ended:
+            what = f"{ended.get('reason') or 'exited'}, exit code {ended.get('exitCode', '?')}"
+            detail = f": {ended['message']}" if ended.get("message") else ""
+            return _clip(f"container {container.get('name', '?')}: {what}{detail}")
+    return ""
+
+
+def _pod_reason(status: Mapping[str, Any]) -> str:
+    reason, message = status.get("reason"), status.get("message")
+    return _clip(": ".join(filter(None, (reason, message))))
 
 
 def _pod_message(status: Mapping[str, Any]) -> str:
@@ -176,7 +215,33 @@ def _pod_message(status: Mapping[str, Any]) -> str:
     for condition in status.get("conditions") or ():
         if condition.get("type") == "PodScheduled" and condition.get("status") == "False":
             return str(condition.get("message") or condition.get("reason") or "")
-    return " ".join(filter(None, (status.get("reason"), status.get("message"))))
+    if status.get("reason") or status.get("message"):
+        return _pod_reason(status)
+    for container in _container_statuses(status):
+        waiting = (container.get("state") or {}).get("waiting") or {}
+        # CrashLoopBackOff's message changes with every back-off; crash_looping says it.
+        if waiting.get("reason") and waiting["reason"] not in {*_STARTING, "CrashLoopBackOff"}:
+            detail = f": {waiting['message']}" if waiting.get("message") else ""
+            return _clip(f"container {container.get('name', '?')}: {waiting['reason']}{detail}")
+    return ""
+
+
+def _pod_failure(status: Mapping[str, Any]) -> str:
+    """Why a finished pod stopped (empty for a pod that has not)."""
+    if status.get("phase") not in ("Failed", "Succeeded"):
+        return ""
+    return _pod_reason(status) or next(
+        (t for t in map(_termination, _container_statuses(status)) if t), ""
+    )
+
+
+def _crash_loop(status: Mapping[str, Any]) -> str:
+    """The first container held back after exiting again and again, and why it exited."""
+    for container in _container_statuses(status):
+        waiting = (container.get("state") or {}).get("waiting") or {}
+        if waiting.get("reason") == "CrashLoopBackOff":
+            return _termination(container) or f"container {container.get('name', '?')}"
+    return ""
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,255 @@
+"""What every engine hook needs from the runtime: pools on the worker's own device, the KV
+capacity to announce, and the GPU's start-up turn.
+
+Engine modules call these functions and nothing else of the runtime, so the engine
+patches stay about the engine. Two shapes of pool (DESIGN §2):
+
+- :func:`open_local_pool` — a rank that owns its pages (SGLang: one scheduler per rank).
+- :func:`open_rank` + :func:`open_owner_pool` — a coordinated group (vLLM): every worker
+  serves its device's memory through a :class:`~kvshare.runtime.rank_server.RankServer`,
+  and the scheduler's pool (no memory of its own) maps the same pages on all of them.
+
+Devices are always explicit indices, resolved on the engine's own thread when the pool is
+opened (see :func:`device_index`); leases come from the broker, or ``KVSHARE_KV_LIMIT``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal, cast
+
+from kvshare.api import env
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvshare.runtime.backends import Backend, BackendKind
+    from kvshare.runtime.geometry import KVGeometry
+    from kvshare.runtime.lease import LeaseSource
+    from kvshare.runtime.pool import KVPool
+    from kvshare.runtime.rank_server import RankServer
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "EngineConfigError",
+    "Role",
+    "device_index",
+    "forget_pools",
+    "lease_for",
+    "open_local_pool",
+    "open_owner_pool",
+    "open_rank",
+    "page_size",
+    "startup_turn",
+    "virtual_kv_bytes",
+]
+
+
+class EngineConfigError(RuntimeError):
+    """The engine's configuration cannot be served by kvshare; the message says what to set."""
+
+
+@dataclass(frozen=True)
+class Role:
+    """Where a pool sits in the engine: its tensor-parallel rank and who owns the pages."""
+
+    engine: str
+    rank: int
+    world_size: int
+    ownership: Literal["local", "coordinated"]
+
+
+_lock = threading.Lock()  # guards _opened
+_opened: list[KVPool | RankServer] = []  # closed by forget_pools (engine shutdown, tests)
+
+
+def device_index(device: torch.device | str) -> int:
+    """The explicit index of ``device``. An implicit ``cuda`` is resolved now, on the calling
+    (engine) thread, and never again: a pool's device must not follow whatever device a later
+    background thread happens to have current."""
+    import torch
+
+    resolved = torch.device(device)
+    index = cast("int | None", resolved.index)  # None for an implicit "cuda"
+    if index is not None:
+        return index
+    if resolved.type == "cuda":
+        return int(torch.cuda.current_device())
+    return 0
+
+
+def page_size() -> int:
+    """The pool's physical page size (``KVSHARE_PAGE_SIZE``)."""
+    return env.PAGE_SIZE.require()
+
+
+def virtual_kv_bytes(device: torch.device | str) -> int:
+    """The KV capacity the engine sizes its cache for: the pool's virtual size.
+
+    ``KVSHARE_KV_MAX`` when set; otherwise the device's total memory less this worker's
+    static footprint (``KVSHARE_STATIC_BYTES``). Never the device's *free* memory, which
+    co-located servers change under each other. Physical use is bounded by the lease.
+    """
+    kv_max = env.KV_MAX.read()
+    if kv_max is not None:
+        return kv_max
+    import torch
+
+    target = torch.device(device)
+    if target.type != "cuda":
+        raise EngineConfigError(
+            f"a KV cache on {target} has no device memory to be sized from; set "
+            "KVSHARE_KV_MAX to the largest KV cache (bytes) this worker may grow to"
+        )
+    _, total = torch.cuda.mem_get_info(device_index(target))
+    static = env.STATIC_BYTES.require()
+    if total <= static:
+        raise EngineConfigError(
+            f"KVSHARE_STATIC_BYTES ({static}) is not below the device's memory ({total}); "
+            "set it to this worker's weights, activations and CUDA context"
+        )
+    return int(total) - static
+
+
+def _backend_kind() -> BackendKind:
+    return cast("BackendKind", env.BACKEND.require())
+
+
+def lease_for(role: Role) -> LeaseSource:
+    """The lease of a pool or rank in ``role``: the broker's, or ``KVSHARE_KV_LIMIT``."""
+    from kvshare.runtime.leases import lease_from_env
+
+    return lease_from_env(rank=role.rank, tp_size=role.world_size, engine=role.engine)
+
+
+def _remember(opened: KVPool | RankServer) -> None:
+    with _lock:
+        _opened.append(opened)
+
+
+def _memory(device: torch.device | str, role: Role) -> tuple[int, Backend, LeaseSource]:
+    """This worker's device index, a backend on that device, and its lease."""
+    from kvshare.runtime.backends import open_backend
+
+    index = device_index(device)
+    backend = open_backend(_backend_kind(), index)
+    try:
+        return index, backend, lease_for(role)
+    except BaseException:
+        backend.close()
+        raise
+
+
+def open_local_pool(
+    geometry: KVGeometry, device: torch.device | str, role: Role, *, agreed: bool = False
+) -> KVPool:
+    """A pool whose page operations never leave this process; the TP size is still reported.
+
+    With ``agreed``, the pool's limit is what the rank's group agrees on at each step
+    (:class:`~kvshare.runtime.engines.group_lease.AgreedLease`).
+    """
+    from kvshare.runtime.engines.group_lease import AgreedLease
+    from kvshare.runtime.ownership import LocalOwnership
+    from kvshare.runtime.pool import KVPool
+
+    index, backend, lease = _memory(device, role)
+    if agreed:
+        lease = AgreedLease(lease)
+    pool = KVPool(
+        geometry,
+        backend,
+        lease,
+        LocalOwnership(role.rank, role.world_size),
+        reserve_pages=env.RESERVE_PAGES.require(),
+    )
+    _remember(pool)
+    log.info(
+        "kvshare pool of %s rank %d/%d on device %d: %d blocks of %d bytes x %d buffers",
+        role.engine,
+        role.rank,
+        role.world_size,
+        index,
+        geometry.num_blocks,
+        geometry.block_bytes,
+        geometry.num_buffers,
+    )
+    return pool
+
+
+def open_rank(
+    geometry: KVGeometry, device: torch.device | str, role: Role, group: str
+) -> RankServer:
+    """Serve this worker's device memory to its group's owner (tensors: ``.tensor``)."""
+    from kvshare.runtime.rank_server import RankServer
+
+    _, backend, lease = _memory(device, role)
+    server = RankServer(
+        geometry, backend, lease, group=group, rank=role.rank, world_size=role.world_size
+    )
+    _remember(server)
+    return server
+
+
+def open_owner_pool(geometry: KVGeometry, group: str, world_size: int) -> KVPool:
+    """The pool that decides for a coordinated group; every rank maps what it maps."""
+    from kvshare.runtime.coordinated import CoordinatedOwnership
+    from kvshare.runtime.pool import KVPool
+
+    ownership = CoordinatedOwnership(group, world_size)
+    try:
+        pool = KVPool(
+            geometry,
+            None,
+            ownership.group_lease(),
+            ownership,
+            reserve_pages=env.RESERVE_PAGES.require(),
+        )
+    except BaseException:
+        ownership.close()
+        raise
+    _remember(pool)
+    return pool
+
+
+def forget_pools() -> None:
+    """Close every pool and rank server this process opened (engine shutdown, tests)."""
+    with _lock:
+        opened = list(reversed(_opened))
+        _opened.clear()
+    for item in opened:
+        item.close()
+
+
+@contextlib.contextmanager
+def startup_turn(role: Role) -> Iterator[None]:
+    """Hold the GPU's start-up turn from the broker while the engine profiles memory.
+
+    Without a node agent (``KVSHARE_KV_LIMIT`` standalone use) there is no turn to take.
+    """
+    from kvshare.runtime.broker_client import (
+        PoolIdentity,
+        broker_present,
+        broker_socket_path,
+    )
+    from kvshare.runtime.broker_client import (
+        startup_turn as broker_turn,
+    )
+    from kvshare.runtime.leases import gpu_for_rank
+
+    if not broker_present(broker_socket_path()):
+        log.debug("no kvshare broker: %s rank %d starts without a turn", role.engine, role.rank)
+        yield
+        return
+    identity = PoolIdentity.from_env(rank=role.rank, tp_size=role.world_size, engine=role.engine)
+    with broker_turn(
+        gpu_for_rank(role.rank),
+        static_bytes=env.STATIC_BYTES.require(),
+        kv_min=env.KV_MIN.require(),
+        identity=identity,
+    ):
+        yield

@@ -1,0 +1,595 @@
+"""SGLang hooks shared by every supported SGLang line. The line modules say where they apply.
+
+SGLang runs one scheduler per tensor-parallel rank, each driving its own KV pool, so every
+rank opens its own :class:`~kvshare.runtime.pool.KVPool` with *local* ownership: page
+operations never leave the rank, while the real rank and TP size still reach the lease
+(identity, metrics). What changes in SGLang:
+
+- **Capacity** (``KVCacheConfigurator._profile_available_bytes``): the pool's virtual size,
+  inside the GPU's start-up turn, instead of the device's free memory.
+- **Tensors** (``MHATokenToKVPool._create_buffers_normal``): K and V of every layer are
+  adjacent buffers of the pool's reserved range, shaped as SGLang shapes them (one pool
+  block is one SGLang page; slot 0's page is the pool's reserved block 0). Quantized and
+  SGLang's own post-capture VMM buffers are refused: they would bypass the pool.
+- **Slots** (both token allocators): the allocator's free list only ever holds pages the
+  pool granted for the call at hand. Before an allocation the allocator is topped up from
+  ``KVPool.alloc`` with exactly the pages the call needs (nothing when the pool is
+  exhausted, so SGLang's own "no space" path runs: evict, retract or wait); freed pages go
+  straight back to the pool. ``available_size`` is what the pool can hand out now.
+- **Eviction** (``RadixCache.__init__`` and ``Scheduler.ingest_requests``): the radix
+  cache is the pool's evictor. The pool asks from its own thread; the request is carried
+  out by the scheduler at the start of its next loop iteration (idle or not), where
+  SGLang's radix tree is consistent.
+- **Ranks in step**: ranks must take identical allocation decisions, but each has its own
+  GPU's lease. At that same point of every iteration the TP group agrees (one small
+  all-reduce on SGLang's CPU group) on the smallest rank lease and the largest eviction
+  asked for, and every rank applies both (:mod:`.group_lease`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from math import prod
+from typing import TYPE_CHECKING, Any, cast
+
+from kvshare.runtime.engines import pools
+from kvshare.runtime.engines.group_lease import AgreedLease
+from kvshare.runtime.engines.patching import AnyCallable, Patch, PatchSet, Target
+from kvshare.runtime.engines.pools import EngineConfigError, Role
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvshare.runtime.pool import KVPool
+
+log = logging.getLogger(__name__)
+
+__all__ = ["RadixEvictor", "pool_of", "sglang_patch_set"]
+
+ENGINE = "sglang"
+_POOL_ATTRIBUTE = "_kvshare_pool"
+_GRANTS_ATTRIBUTE = "_kvshare_grants"
+_EVICTOR_ATTRIBUTE = "_kvshare_evictor"
+
+
+def _rank_role() -> Role:
+    from sglang.srt.distributed import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        rank = parallel_state.get_tensor_model_parallel_rank()
+        world_size = parallel_state.get_tensor_model_parallel_world_size()
+    else:
+        rank, world_size = 0, 1
+    return Role(ENGINE, int(rank), int(world_size), "local")
+
+
+def _tp_cpu_group() -> Any:
+    from sglang.srt.distributed import parallel_state
+
+    return parallel_state.get_tp_group().cpu_group
+
+
+def pool_of(owner: Any) -> KVPool | None:
+    """The kvshare pool behind an SGLang KV cache or allocator, if it has one."""
+    kvcache = getattr(owner, "_kvcache", owner)
+    return getattr(kvcache, _POOL_ATTRIBUTE, None)
+
+
+# --- tensors --------------------------------------------------------------------------
+
+
+def buffers_from_pool(original: AnyCallable) -> AnyCallable:
+    """Wrapper for ``MHATokenToKVPool._create_buffers_normal``: K/V over the pool."""
+
+    def _create_buffers_normal(self: Any) -> None:
+        from kvshare.runtime.geometry import KVGeometry
+
+        if type(self).__name__ != "MHATokenToKVPool":
+            raise EngineConfigError(
+                f"kvshare serves SGLang's MHATokenToKVPool, not {type(self).__name__}, "
+                "whose buffers are laid out differently"
+            )
+        if self.kv_cache_layout not in ("nhd", "hnd"):
+            raise EngineConfigError(
+                f"kvshare pages SGLang's nhd and hnd KV layouts, not {self.kv_cache_layout!r}"
+            )
+        k_shape, v_shape = self._kv_buffer_shapes()
+        if k_shape != v_shape:
+            raise EngineConfigError(
+                f"kvshare needs K and V rows of one shape; this model has K {k_shape} and "
+                f"V {v_shape}"
+            )
+        rows = k_shape[0]
+        rows_per_block = 1 if self.kv_cache_layout == "hnd" else self.page_size
+        num_blocks = -(-rows // rows_per_block)
+        block_bytes = rows_per_block * prod(k_shape[1:]) * self.store_dtype.itemsize
+        geometry = KVGeometry(
+            num_buffers=2 * self.layer_num,
+            block_bytes=block_bytes,
+            num_blocks=num_blocks,
+            page_size=pools.page_size(),
+            layout="per-layer",
+        )
+        role = _rank_role()
+        pool = pools.open_local_pool(geometry, self.device, role, agreed=role.world_size > 1)
+        shape = (num_blocks * rows_per_block, *k_shape[1:])
+
+        def view(buffer: int) -> torch.Tensor:
+            return pool.tensor(buffer)[0].view(self.store_dtype).view(shape)[:rows]
+
+        self.k_buffer = [view(2 * layer) for layer in range(self.layer_num)]
+        self.v_buffer = [view(2 * layer + 1) for layer in range(self.layer_num)]
+        setattr(self, _POOL_ATTRIBUTE, pool)
+
+    return _create_buffers_normal
+
+
+def refusing(what: str) -> Callable[[AnyCallable], AnyCallable]:
+    """Wrapper for a buffer path that would bypass the pool: fail start-up, naming it."""
+
+    def wrap(original: AnyCallable) -> AnyCallable:
+        def refuse(self: Any, *args: Any, **kwargs: Any) -> Any:
+            raise EngineConfigError(
+                f"kvshare does not serve SGLang's {what}; start without it or unset KVSHARE_ENABLE"
+            )
+
+        return refuse
+
+    return wrap
+
+
+# --- slots ----------------------------------------------------------------------------
+
+#: Allocators whose every path to the free list is patched (by class name: the classes are
+#: the engine's, imported only when patches apply).
+_SERVED_ALLOCATORS = ("TokenToKVPoolAllocator", "PagedTokenToKVPoolAllocator")
+
+
+def _pool_backed_parts(kvcache: Any) -> list[str]:
+    """Names of ``kvcache``'s sub-pools whose buffers live in a kvshare pool."""
+    return [name for name, part in vars(kvcache).items() if getattr(part, _POOL_ATTRIBUTE, None)]
+
+
+def only_served_allocators(original: AnyCallable) -> AnyCallable:
+    """Wrapper for ``BaseTokenToKVPoolAllocator.__init__``: an allocator kvshare does not
+    serve must not hand out slots of pool-backed buffers (their pages would never be
+    mapped); start-up fails naming it instead."""
+
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        kvcache = getattr(self, "_kvcache", None)
+        backed = pool_of(self) is not None or (
+            kvcache is not None and bool(_pool_backed_parts(kvcache))
+        )
+        if backed and type(self).__name__ not in _SERVED_ALLOCATORS:
+            raise EngineConfigError(
+                f"kvshare does not serve SGLang's {type(self).__name__} (over "
+                f"{type(kvcache).__name__}); it serves {', '.join(_SERVED_ALLOCATORS)} — "
+                "hybrid, sliding-window and state-space caches are not supported"
+            )
+
+    return init
+
+
+def _free_lists(allocator: Any) -> list[torch.Tensor]:
+    """The allocator's free page ids: its free list and the frees waiting to be sorted."""
+    lists = [allocator.free_pages]
+    release = getattr(allocator, "release_pages", None)
+    if release is not None and len(release):
+        lists.append(release)
+    lists.extend(getattr(allocator, "staged_pages", None) or ())
+    return [ids for ids in lists if len(ids)]
+
+
+def _held_free_pages(allocator: Any) -> int:
+    return sum(len(ids) for ids in _free_lists(allocator))
+
+
+def _grants(allocator: Any, pool: KVPool) -> torch.Tensor:
+    import torch
+
+    grants = getattr(allocator, _GRANTS_ATTRIBUTE, None)
+    if grants is None:
+        grants = torch.zeros(pool.geometry.num_blocks, dtype=torch.bool)
+        setattr(allocator, _GRANTS_ATTRIBUTE, grants)
+    return grants
+
+
+def _top_up(allocator: Any, pages: int) -> None:
+    """Put pages granted by the pool on the free list until it holds ``pages``."""
+    import torch
+
+    pool = pool_of(allocator)
+    if pool is None:
+        return
+    short = pages - _held_free_pages(allocator)
+    if short <= 0:
+        return
+    ids = pool.alloc(short)
+    if not ids:
+        return  # exhausted: SGLang's own check finds too few pages and says no
+    granted = torch.tensor(ids, dtype=torch.int64)
+    _grants(allocator, pool)[granted] = True
+    allocator.free_pages = torch.cat(
+        (allocator.free_pages, granted.to(allocator.free_pages.device))
+    )
+
+
+def _drain(allocator: Any) -> None:
+    """Give every page on the allocator's free lists back to the pool."""
+    pool = pool_of(allocator)
+    if pool is None:
+        return
+    lists = _free_lists(allocator)
+    if not lists:
+        return
+    import torch
+
+    ids = torch.cat([ids.cpu() for ids in lists])
+    _grants(allocator, pool)[ids] = False
+    allocator.free_pages = allocator.free_pages[:0]
+    if getattr(allocator, "release_pages", None) is not None:
+        allocator.release_pages = allocator.release_pages[:0]
+    if getattr(allocator, "staged_pages", None):
+        allocator.staged_pages = []
+        allocator.num_staged_pages = 0
+    pool.free(ids.tolist())
+
+
+def clearing_into_pool(original: AnyCallable) -> AnyCallable:
+    """Wrapper for ``clear``: every page goes back to the pool; the free list starts empty."""
+
+    def clear(self: Any) -> None:
+        original(self)
+        pool = pool_of(self)
+        if pool is None:
+            return
+        grants = _grants(self, pool)
+        held = grants.nonzero().flatten()
+        grants.zero_()
+        self.free_pages = self.free_pages[:0]
+        if getattr(self, "release_pages", None) is not None:
+            self.release_pages = self.release_pages[:0]
+        if held.numel():
+            pool.free(held.tolist())
+
+    return clear
+
+
+def counting_the_pool(original: AnyCallable) -> AnyCallable:
+    """Wrapper for ``available_size``: the free list plus what the pool can grant now."""
+
+    def available_size(self: Any) -> int:
+        pool = pool_of(self)
+        own = int(original(self))
+        return own if pool is None else own + pool.available() * self.page_size
+
+    return available_size
+
+
+def granting(pages_needed: Callable[..., int]) -> Callable[[AnyCallable], AnyCallable]:
+    """Wrapper for an allocation: top up with the pages it needs, run SGLang's own code,
+    give back whatever it did not take."""
+
+    def wrap(original: AnyCallable) -> AnyCallable:
+        def allocate(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if pool_of(self) is None:
+                return original(self, *args, **kwargs)
+            _top_up(self, pages_needed(self, *args, **kwargs))
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                _drain(self)
+
+        return allocate
+
+    return wrap
+
+
+def returning_to_pool(original: AnyCallable) -> AnyCallable:
+    """Wrapper for where freed pages land: they go back to the pool at once."""
+
+    def release(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)
+        _drain(self)
+        return result
+
+    return release
+
+
+def token_pages(self: Any, need_size: int) -> int:
+    """Pages ``alloc(need_size)`` takes (a page is ``page_size`` tokens)."""
+    return -(-int(need_size) // int(self.page_size))
+
+
+def extend_pages(  # noqa: PLR0917 - SGLang's alloc_extend parameters, as it passes them
+    self: Any,
+    prefix_lens: Any,
+    prefix_lens_cpu: Any,
+    seq_lens: Any,
+    seq_lens_cpu: Any,
+    last_loc: Any,
+    extend_num_tokens: int,
+    num_new_pages: int | None = None,
+) -> int:
+    """New pages an ``alloc_extend`` takes, as SGLang counts them."""
+    if num_new_pages is not None:
+        return int(num_new_pages)
+    from sglang.srt.utils import get_num_new_pages
+
+    return int(
+        get_num_new_pages(
+            seq_lens=seq_lens_cpu, page_size=self.page_size, prefix_lens=prefix_lens_cpu
+        )
+    )
+
+
+def decode_pages(self: Any, seq_lens: Any, seq_lens_cpu: Any, last_loc: Any) -> int:
+    """New pages an ``alloc_decode`` takes, as SGLang counts them."""
+    from sglang.srt.utils import get_num_new_pages
+
+    return int(get_num_new_pages(seq_lens=seq_lens_cpu, page_size=self.page_size, decode=True))
+
+
+# --- eviction -------------------------------------------------------------------------
+
+
+class RadixEvictor:
+    """SGLang's radix cache as the pool's evictor (:class:`kvshare.runtime.pool.Evictor`).
+
+    The pool calls :meth:`evict` from its own thread; the scheduler runs :meth:`step` at
+    the start of each loop iteration, where the ranks of a TP group also agree on their
+    lease (``group`` is SGLang's TP CPU group, ``None`` for a single rank).
+    """
+
+    def __init__(
+        self,
+        tree_cache: Any,
+        page_size: int,
+        evict_params: Callable[[int], Any],
+        group: Any = None,
+        lease: AgreedLease | None = None,
+    ) -> None:
+        self._tree_cache = tree_cache
+        self._page_size = page_size
+        self._evict_params = evict_params
+        self._group = group
+        self._lease = lease
+        self._lock = threading.Lock()  # guards _pending
+        self._pending = 0
+
+    def cached_blocks(self) -> int:
+        return int(self._tree_cache.evictable_size()) // self._page_size
+
+    def evict(self, n: int) -> int:
+        """Record the request; the scheduler frees the blocks on its next step."""
+        with self._lock:
+            self._pending = max(self._pending, n)
+        return 0
+
+    def step(self) -> int:
+        """Agree with the group, then evict what any rank's pool asked for; pages freed."""
+        with self._lock:
+            blocks, self._pending = self._pending, 0
+        if self._group is not None and self._lease is not None:
+            blocks = self._agree(blocks)
+        if blocks <= 0:
+            return 0
+        before = int(self._tree_cache.evictable_size())
+        self._tree_cache.evict(self._evict_params(blocks * self._page_size))
+        freed = (before - int(self._tree_cache.evictable_size())) // self._page_size
+        log.info("evicted %d cached pages for the pool (asked %d)", freed, blocks)
+        return freed
+
+    def _agree(self, blocks: int) -> int:
+        import torch
+        import torch.distributed as dist
+
+        assert self._lease is not None
+        votes = torch.tensor([self._lease.own_limit(), -blocks], dtype=torch.int64)
+        dist.all_reduce(votes, op=dist.ReduceOp.MIN, group=self._group)
+        self._lease.agree(int(votes[0]))
+        return -int(votes[1])
+
+
+def evicting_for_pool(evict_params: Callable[[int], Any]) -> Callable[[AnyCallable], AnyCallable]:
+    """Wrapper for ``RadixCache.__init__``: the cache becomes its pool's evictor."""
+
+    def wrap(original: AnyCallable) -> AnyCallable:
+        def init(self: Any, params: Any) -> None:
+            original(self, params)
+            allocator = getattr(self, "token_to_kv_pool_allocator", None)
+            pool = pool_of(allocator) if allocator is not None else None
+            if pool is None:
+                return
+            lease = pool.lease if isinstance(pool.lease, AgreedLease) else None
+            evictor = RadixEvictor(
+                self, int(self.page_size), evict_params, _tp_cpu_group() if lease else None, lease
+            )
+            setattr(self, _EVICTOR_ATTRIBUTE, evictor)
+            pool.set_evictor(evictor)
+
+        return init
+
+    return wrap
+
+
+def evictor_of(tree_cache: Any) -> RadixEvictor | None:
+    """The kvshare evictor of an SGLang prefix cache, if it has one."""
+    return getattr(tree_cache, _EVICTOR_ATTRIBUTE, None)
+
+
+def evicting_at_each_iteration(original: AnyCallable) -> AnyCallable:
+    """Wrapper for ``Scheduler.ingest_requests``: pending evictions run first."""
+
+    def ingest_requests(self: Any, *args: Any, **kwargs: Any) -> Any:
+        evictor = evictor_of(getattr(self, "tree_cache", None))
+        if evictor is not None:
+            evictor.step()
+        return original(self, *args, **kwargs)
+
+    return ingest_requests
+
+
+# --- capacity -------------------------------------------------------------------------
+
+
+def sizing_from_pool(original: AnyCallable) -> AnyCallable:
+    """Wrapper for ``KVCacheConfigurator._profile_available_bytes``: the pool's virtual size."""
+
+    def _profile_available_bytes(self: Any, pre_model_load_memory: int) -> int:
+        import torch
+
+        device = torch.device(self.device)
+        if device.type == "cuda" and cast("int | None", device.index) is None:
+            device = torch.device("cuda", self.gpu_id)
+        with pools.startup_turn(_rank_role()):
+            return pools.virtual_kv_bytes(device)
+
+    return _profile_available_bytes
+
+
+# --- the patch list -------------------------------------------------------------------
+
+_MEM = "sglang.srt.mem_cache"
+_POOL = f"{_MEM}.memory_pool"
+_TOKEN = f"{_MEM}.allocator.token"
+_PAGED = f"{_MEM}.allocator.paged"
+
+
+def evict_tokens(num_tokens: int) -> Any:
+    """SGLang's eviction request for ``num_tokens`` tokens."""
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    return EvictParams(num_tokens=num_tokens)
+
+
+def sglang_patch_set(line: str, *, ingest_parameters: tuple[str, ...]) -> PatchSet:
+    """The patches of one SGLang line; the lines differ in the scheduler's loop entry."""
+    self_only = ("self",)
+    patches = [
+        Patch(
+            Target(
+                f"{_MEM}.kv_cache_configurator",
+                "KVCacheConfigurator._profile_available_bytes",
+                ("self", "pre_model_load_memory"),
+            ),
+            sizing_from_pool,
+            "KV capacity from the pool's virtual size, in the GPU's start-up turn",
+        ),
+        Patch(
+            Target(_POOL, "MHATokenToKVPool._create_buffers_normal", self_only),
+            buffers_from_pool,
+            "K and V buffers over the pool's reserved range",
+        ),
+        Patch(
+            Target(_POOL, "MHATokenToKVPool._create_quantized_buffers", self_only),
+            refusing("quantized KV cache"),
+            "refused: would bypass the pool",
+        ),
+        Patch(
+            Target(_POOL, "MHATokenToKVPool._alloc_post_capture_buffers", self_only),
+            refusing("post-capture KV backing"),
+            "refused: would bypass the pool",
+        ),
+    ]
+    for module, cls in (
+        (_TOKEN, "TokenToKVPoolAllocator"),
+        (_PAGED, "PagedTokenToKVPoolAllocator"),
+    ):
+        patches += [
+            Patch(
+                Target(module, f"{cls}.clear", self_only),
+                clearing_into_pool,
+                "pages back to the pool",
+            ),
+            Patch(
+                Target(module, f"{cls}.available_size", self_only),
+                counting_the_pool,
+                "free = what the pool grants",
+            ),
+            Patch(
+                Target(module, f"{cls}.alloc", ("self", "need_size")),
+                granting(token_pages),
+                "slots from the pool",
+            ),
+        ]
+    patches += [
+        Patch(
+            Target(
+                f"{_MEM}.allocator.base",
+                "BaseTokenToKVPoolAllocator.__init__",
+                ("self", "size", "page_size", "dtype", "device", "kvcache", "need_sort"),
+            ),
+            only_served_allocators,
+            "refused: allocators that would hand out slots of unmapped pages",
+        ),
+        Patch(
+            Target(_TOKEN, "TokenToKVPoolAllocator.free", ("self", "free_index")),
+            returning_to_pool,
+            "freed slots back to the pool",
+        ),
+        Patch(
+            Target(
+                _PAGED,
+                "PagedTokenToKVPoolAllocator.alloc_extend",
+                (
+                    "self",
+                    "prefix_lens",
+                    "prefix_lens_cpu",
+                    "seq_lens",
+                    "seq_lens_cpu",
+                    "last_loc",
+                    "extend_num_tokens",
+                    "num_new_pages",
+                ),
+            ),
+            granting(extend_pages),
+            "pages from the pool",
+        ),
+        Patch(
+            Target(
+                _PAGED,
+                "PagedTokenToKVPoolAllocator.alloc_decode",
+                ("self", "seq_lens", "seq_lens_cpu", "last_loc"),
+            ),
+            granting(decode_pages),
+            "pages from the pool",
+        ),
+        Patch(
+            Target(_PAGED, "PagedTokenToKVPoolAllocator._release_page_ids", ("self", "page_ids")),
+            returning_to_pool,
+            "freed pages back to the pool",
+        ),
+        Patch(
+            Target(f"{_MEM}.radix_cache", "RadixCache.__init__", ("self", "params")),
+            evicting_for_pool(evict_tokens),
+            "the radix cache is the pool's evictor",
+        ),
+        Patch(
+            Target("sglang.srt.managers.scheduler", "Scheduler.ingest_requests", ingest_parameters),
+            evicting_at_each_iteration,
+            "ranks agree on their lease and evict at each iteration",
+        ),
+    ]
+    requires = [
+        Target(_POOL, "MHATokenToKVPool._kv_buffer_shapes", self_only),
+        Target(f"{_MEM}.radix_cache", "RadixCache.evict", ("self", "params")),
+        Target(f"{_MEM}.radix_cache", "RadixCache.evictable_size", self_only),
+        Target(
+            f"{_MEM}.base_prefix_cache",
+            "EvictParams.__init__",
+            ("self", "num_tokens", "swa_num_tokens", "mamba_num"),
+        ),
+        Target(
+            "sglang.srt.utils",
+            "get_num_new_pages",
+            ("seq_lens", "page_size", "prefix_lens", "decode"),
+        ),
+        Target("sglang.srt.distributed.parallel_state", "get_tensor_model_parallel_rank", ()),
+        Target("sglang.srt.distributed.parallel_state", "get_tensor_model_parallel_world_size", ()),
+        Target("sglang.srt.distributed.parallel_state", "get_tp_group", ()),
+    ]
+    return PatchSet(ENGINE, line, patches, requires)

@@ -1,0 +1,504 @@
+"""vLLM hooks shared by every supported vLLM line. The line modules say where they apply.
+
+What changes in vLLM:
+
+- **Capacity** (``Worker.determine_available_memory``): the engine sizes its KV cache
+  from the pool's virtual size, by setting vLLM's own ``kv_cache_memory_bytes`` before
+  its profiling runs (the profile run still compiles the model). The device's free
+  memory no longer matters.
+- **Start-up turn** (``Worker.init_device`` to ``Worker.initialize_from_config``): each
+  worker holds its GPU's turn from the broker while vLLM checks free memory, loads
+  weights, profiles and allocates its KV cache, so engines starting on one GPU do not
+  measure each other.
+- **Tensors** (``allocate_kv_cache`` where the model runners call it): one
+  :class:`~kvshare.runtime.pool.KVPool` per worker, on the worker's own device, whose
+  geometry mirrors vLLM's layout: layer-outer layouts get one pool buffer per layer,
+  block-outer layouts one buffer of packed blocks. vLLM's own
+  ``create_kv_cache_views`` builds the per-layer views over the pool's range.
+- **Blocks** (``KVCacheCoordinator.__init__`` and the scheduler steps): the scheduler's
+  ``BlockPool`` draws its block ids from the pool (:mod:`.vllm_blocks`); exhaustion makes
+  ``allocate_slots`` return ``None`` and the scheduler preempts or waits.
+
+Tensor parallelism uses *coordinated* ownership: each worker serves its device's memory
+through a rank server (``Worker.initialize_from_config`` names the group after vLLM's
+instance id and data-parallel rank), and the scheduler's pool, which holds no memory
+itself, maps every page on all ranks before it hands out a block (``Scheduler.__init__``
+names the same group). With one worker in the scheduler's process the group has one rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import logging
+import re
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+from kvshare.runtime.engines import pools
+from kvshare.runtime.engines.patching import AnyCallable, Patch, PatchSet, Target
+from kvshare.runtime.engines.pools import EngineConfigError, Role
+from kvshare.runtime.engines.vllm_blocks import (
+    attach,
+    holding_block_pool_lock,
+    resetting_through_pool,
+    usage_of_held_memory,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvshare.runtime.geometry import KVGeometry
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "Group",
+    "PoolPlan",
+    "plan_pool",
+    "scheduler_context",
+    "vllm_patch_set",
+    "worker_context",
+]
+
+ENGINE = "vllm"
+#: Picks the kernel block size of one tensor's views, as the line's ``allocate_kv_cache`` does.
+KernelBlockSize = Callable[[Any, int, "list[int] | None"], "int | None"]
+
+
+# --- geometry ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolPlan:
+    """The pool geometry for a vLLM KV cache config, and its tensors placed in that pool."""
+
+    geometry: KVGeometry
+    tensors: tuple[Any, ...]
+    """vLLM ``KVCacheTensor``s with offsets and layer strides in the pool's range."""
+
+
+def plan_pool(kv_cache_config: Any, layout: Any) -> PoolPlan:
+    """Mirror vLLM's layout in a pool geometry (the scheduler and workers agree on it).
+
+    Layer-outer layouts (``L`` then ``B`` outermost) keep each layer's blocks in one run:
+    one pool buffer per layer, the layer stride becomes the pool's page-aligned buffer
+    stride. Block-outer layouts keep all layers of a block in one packed run: one pool
+    buffer of packed blocks, nothing moves. Other layouts split a block across a
+    layer's region and are refused.
+    """
+    from kvshare.runtime.geometry import KVGeometry
+
+    tensors = tuple(kv_cache_config.kv_cache_tensors)
+    num_blocks = kv_cache_config.num_blocks
+    strides = {tensor.block_stride for tensor in tensors}
+    sizes = {tensor.size for tensor in tensors}
+    if len(strides) != 1 or len(sizes) != 1:
+        raise EngineConfigError(
+            "kvshare needs one block stride and one backing allocation for every KV cache "
+            f"tensor; this model has block strides {sorted(strides)} (hybrid page sizes)"
+        )
+    block_stride, raw_size = strides.pop(), sizes.pop()
+    if layout.is_block_outermost:
+        geometry = KVGeometry(1, block_stride, num_blocks, pools.page_size(), "per-layer")
+        return PoolPlan(geometry, tensors)
+    if not layout.is_block_compact:
+        raise EngineConfigError(
+            f"kvshare cannot page vLLM's KV cache layout {layout.name}: a block is not one "
+            "contiguous run per layer; set VLLM_KV_CACHE_LAYOUT to a layer- or block-outer "
+            "layout (e.g. LBHNC or BLHNC)"
+        )
+    layer_bytes = block_stride * num_blocks
+    if raw_size % layer_bytes or any(tensor.offset % layer_bytes for tensor in tensors):
+        raise EngineConfigError(
+            f"vLLM's KV cache tensors are not whole layers of {layer_bytes} bytes; "
+            "kvshare cannot page this layout"
+        )
+    geometry = KVGeometry(
+        raw_size // layer_bytes, block_stride, num_blocks, pools.page_size(), "per-layer"
+    )
+    placed = tuple(
+        dataclasses.replace(
+            tensor,
+            size=geometry.virtual_bytes,
+            offset=tensor.offset // layer_bytes * geometry.buffer_stride,
+            layer_stride=geometry.buffer_stride,
+        )
+        for tensor in tensors
+    )
+    return PoolPlan(geometry, placed)
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+    """A coordinated group: one vLLM engine core and its tensor-parallel workers."""
+
+    name: str
+    world_size: int
+
+
+#: Set while vLLM builds a worker's KV cache (``Worker.initialize_from_config``).
+_worker: contextvars.ContextVar[tuple[Group, Role]] = contextvars.ContextVar("kvshare_vllm_worker")
+#: Set while vLLM builds its scheduler (``Scheduler.__init__``): the group and KV layout.
+_scheduler: contextvars.ContextVar[tuple[Group, Any]] = contextvars.ContextVar(
+    "kvshare_vllm_scheduler"
+)
+
+
+def group_of(vllm_config: Any) -> Group:
+    """The group of one engine core: named after vLLM's instance id and data-parallel rank."""
+    parallel = vllm_config.parallel_config
+    if parallel.pipeline_parallel_size > 1:
+        raise EngineConfigError(
+            f"kvshare serves vLLM with pipeline-parallel size 1, not "
+            f"{parallel.pipeline_parallel_size}"
+        )
+    instance = re.sub(r"[^A-Za-z0-9._-]", "-", str(vllm_config.instance_id))[:32] or "engine"
+    name = f"vllm-{instance}-dp{parallel.data_parallel_rank}"
+    return Group(name, int(parallel.tensor_parallel_size))
+
+
+def _tp_rank() -> int:
+    from vllm.distributed import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        return int(parallel_state.get_tensor_model_parallel_rank())
+    return 0
+
+
+@contextlib.contextmanager
+def worker_context(group: Group, rank: int) -> Iterator[None]:
+    """While set, ``allocate_kv_cache`` serves rank ``rank`` of ``group``."""
+    token = _worker.set((group, Role(ENGINE, rank, group.world_size, "coordinated")))
+    try:
+        yield
+    finally:
+        _worker.reset(token)
+
+
+@contextlib.contextmanager
+def scheduler_context(group: Group, layout: Any) -> Iterator[None]:
+    """While set, a KV cache coordinator draws its blocks from ``group``'s owner pool."""
+    token = _scheduler.set((group, layout))
+    try:
+        yield
+    finally:
+        _scheduler.reset(token)
+
+
+_TURN_ATTRIBUTE = "_kvshare_startup_turn"
+
+
+def taking_the_startup_turn(original: AnyCallable) -> AnyCallable:
+    """Wrapper for ``Worker.init_device``: the GPU's start-up turn is held from here (vLLM
+    checks free memory first, then loads weights and profiles) until the KV cache exists."""
+
+    def init_device(self: Any) -> None:
+        group = group_of(self.vllm_config)
+        turn = contextlib.ExitStack()
+        turn.enter_context(
+            pools.startup_turn(Role(ENGINE, int(self.local_rank), group.world_size, "coordinated"))
+        )
+        setattr(self, _TURN_ATTRIBUTE, turn)
+        try:
+            original(self)
+        except BaseException:
+            turn.close()
+            raise
+
+    return init_device
+
+
+def in_worker_group(original: AnyCallable) -> AnyCallable:
+    """Wrapper for ``Worker.initialize_from_config``: the worker's KV cache joins its group;
+    the start-up turn ends once it exists."""
+
+    def initialize_from_config(self: Any, kv_cache_config: Any) -> None:
+        try:
+            with worker_context(group_of(self.vllm_config), _tp_rank()):
+                original(self, kv_cache_config)
+        finally:
+            turn = getattr(self, _TURN_ATTRIBUTE, None)
+            if turn is not None:
+                setattr(self, _TURN_ATTRIBUTE, None)
+                turn.close()
+
+    return initialize_from_config
+
+
+def in_scheduler_group(original: AnyCallable) -> AnyCallable:
+    """Wrapper for ``Scheduler.__init__``: its block pool becomes the group's owner."""
+
+    def init(self: Any, vllm_config: Any, *args: Any, **kwargs: Any) -> None:
+        layout = vllm_config.cache_config.get_resolved_kv_cache_layout()
+        with scheduler_context(group_of(vllm_config), layout):
+            original(self, vllm_config, *args, **kwargs)
+
+    return init
+
+
+# --- worker: KV cache tensors ---------------------------------------------------------
+
+
+def group_kernel_block_size(
+    spec: Any, group_id: int, kernel_block_sizes: list[int] | None
+) -> int | None:
+    """The kernel block size of a group's views, when the model runner chose one."""
+    del spec
+    if kernel_block_sizes is not None and group_id < len(kernel_block_sizes):
+        return kernel_block_sizes[group_id]
+    return None
+
+
+def allocating_from_pool(
+    kernel_block_size: KernelBlockSize,
+) -> Callable[[AnyCallable], AnyCallable]:
+    """Wrapper for ``allocate_kv_cache``: the same views, over the pool's range."""
+
+    def wrap(original: AnyCallable) -> AnyCallable:
+        def allocate_kv_cache(
+            kv_cache_config: Any,
+            device: torch.device,
+            layout: Any,
+            kernel_block_sizes: list[int] | None = None,
+        ) -> dict[str, torch.Tensor]:
+            if not kv_cache_config.kv_cache_tensors:
+                return original(kv_cache_config, device, layout, kernel_block_sizes)  # type: ignore[no-any-return]
+            context = _worker.get(None)
+            if context is None:
+                raise EngineConfigError(
+                    "vLLM allocated a KV cache outside a worker's initialize_from_config; "
+                    "kvshare cannot tell which engine it belongs to"
+                )
+            group, role = context
+            plan = plan_pool(kv_cache_config, layout)
+            server = pools.open_rank(plan.geometry, device, role, group.name)
+            raw = server.tensor(0, plan.geometry.num_buffers).view(_int8())
+            return _views(
+                raw,
+                kv_cache_config,
+                plan,
+                layout=layout,
+                kernel_block_sizes=kernel_block_sizes,
+                kernel_block_size=kernel_block_size,
+            )
+
+        return allocate_kv_cache
+
+    return wrap
+
+
+def _int8() -> torch.dtype:
+    import torch
+
+    return torch.int8
+
+
+def _views(
+    raw: torch.Tensor,
+    kv_cache_config: Any,
+    plan: PoolPlan,
+    *,
+    layout: Any,
+    kernel_block_sizes: list[int] | None,
+    kernel_block_size: KernelBlockSize,
+) -> dict[str, torch.Tensor]:
+    """Per-layer views built by vLLM's ``create_kv_cache_views``, as vLLM lays them out."""
+    from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs, create_kv_cache_views
+
+    kv_caches: dict[str, torch.Tensor] = {}
+    for tensor in plan.tensors:
+        layer_name = tensor.layers[0]
+        group_id, group = next(
+            (group_id, group)
+            for group_id, group in enumerate(kv_cache_config.kv_cache_groups)
+            if layer_name in group.layer_names
+        )
+        spec = group.kv_cache_spec
+        if isinstance(spec, UniformTypeKVCacheSpecs):
+            spec = spec.kv_cache_specs[layer_name]
+        if not spec.has_layer_views:
+            raise EngineConfigError(
+                f"layer {layer_name} keeps {type(spec).__name__} state that lays out its own "
+                "storage; kvshare pages attention KV caches only"
+            )
+        views = create_kv_cache_views(
+            raw,
+            spec,
+            kv_cache_config.num_blocks_of(tensor),
+            layout,
+            tensor,
+            kernel_block_size=kernel_block_size(spec, group_id, kernel_block_sizes),
+        )
+        kv_caches.update(zip(tensor.layers, views, strict=True))
+    return kv_caches
+
+
+# --- worker: capacity -----------------------------------------------------------------
+
+
+def sizing_from_pool(original: AnyCallable) -> AnyCallable:
+    """Wrapper for ``Worker.determine_available_memory``: the pool's virtual size."""
+
+    def determine_available_memory(self: Any) -> int:
+        # vLLM's own "KV cache of this many bytes" setting: its profiling still runs (and
+        # compiles the model) but no longer derives the size from free memory.
+        self.cache_config.kv_cache_memory_bytes = pools.virtual_kv_bytes(self.device)
+        return original(self)  # type: ignore[no-any-return]
+
+    return determine_available_memory
+
+
+def attaching_block_pool(original: AnyCallable) -> AnyCallable:
+    """Wrapper for ``KVCacheCoordinator.__init__``: its block pool draws from the group."""
+
+    def init(self: Any, kv_cache_config: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, kv_cache_config, *args, **kwargs)
+        if not kv_cache_config.kv_cache_tensors:
+            return  # an attention-free model: no KV cache to page
+        context = _scheduler.get(None)
+        if context is None:
+            raise EngineConfigError(
+                "vLLM built a KV cache coordinator outside its scheduler; kvshare cannot tell "
+                "which engine's workers hold the memory"
+            )
+        group, layout = context
+        plan = plan_pool(kv_cache_config, layout)
+        attach(self.block_pool, pools.open_owner_pool(plan.geometry, group.name, group.world_size))
+
+    return init
+
+
+# --- the patch list -------------------------------------------------------------------
+
+_WORKER = "vllm.v1.worker"
+_CORE = "vllm.v1.core"
+_ALLOCATE = ("kv_cache_config", "device", "layout", "kernel_block_sizes")
+#: Constructor parameters every supported line shares; lines append their own.
+COORDINATOR_PARAMETERS = (
+    "self",
+    "kv_cache_config",
+    "max_model_len",
+    "max_in_flight_tokens",
+    "use_eagle",
+    "enable_caching",
+    "enable_kv_cache_events",
+    "dcp_world_size",
+    "pcp_world_size",
+    "scheduler_block_size",
+    "hash_block_size",
+    "metrics_collector",
+    "num_prefill_lookahead",
+)
+BLOCK_POOL_PARAMETERS = (
+    "self",
+    "num_gpu_blocks",
+    "enable_caching",
+    "hash_block_size",
+    "enable_kv_cache_events",
+    "metrics_collector",
+)
+_SCHEDULER_INIT = (
+    "self",
+    "vllm_config",
+    "kv_cache_config",
+    "structured_output_manager",
+    "block_size",
+    "hash_block_size",
+    "mm_registry",
+    "include_finished_set",
+    "log_stats",
+)
+
+
+def vllm_patch_set(
+    line: str,
+    *,
+    coordinator_parameters: tuple[str, ...],
+    block_pool_parameters: tuple[str, ...],
+    kernel_block_size: KernelBlockSize,
+) -> PatchSet:
+    """The patches of one vLLM line. The lines keep the targets in the same places; they
+    differ in constructor parameters and in how a tensor's kernel block size is chosen."""
+    block_pool = f"{_CORE}.block_pool"
+    scheduler = f"{_CORE}.sched.scheduler"
+    patches = [
+        Patch(
+            Target(f"{_WORKER}.gpu_worker", "Worker.init_device", ("self",)),
+            taking_the_startup_turn,
+            "the worker holds its GPU's start-up turn until its KV cache exists",
+        ),
+        Patch(
+            Target(f"{_WORKER}.gpu_worker", "Worker.determine_available_memory", ("self",)),
+            sizing_from_pool,
+            "KV capacity from the pool's virtual size, not free memory",
+        ),
+        *(
+            Patch(
+                Target(module, "allocate_kv_cache", _ALLOCATE),
+                allocating_from_pool(kernel_block_size),
+                "KV cache tensors over the pool's reserved range",
+            )
+            for module in (f"{_WORKER}.gpu_model_runner", f"{_WORKER}.gpu.attn_utils")
+        ),
+        Patch(
+            Target(
+                f"{_WORKER}.gpu_worker",
+                "Worker.initialize_from_config",
+                ("self", "kv_cache_config"),
+            ),
+            in_worker_group,
+            "the worker's KV cache is a rank of its engine's coordinated group; turn ends",
+        ),
+        Patch(
+            Target(f"{_CORE}.sched.scheduler", "Scheduler.__init__", _SCHEDULER_INIT),
+            in_scheduler_group,
+            "the scheduler's block pool owns its engine's coordinated group",
+        ),
+        Patch(
+            Target(
+                f"{_CORE}.kv_cache_coordinator",
+                "KVCacheCoordinator.__init__",
+                coordinator_parameters,
+            ),
+            attaching_block_pool,
+            "the scheduler's block ids come from the pool",
+        ),
+        *(
+            Patch(
+                Target(scheduler, f"Scheduler.{name}", parameters),
+                holding_block_pool_lock,
+                "the pool evicts cached blocks between scheduler steps",
+            )
+            for name, parameters in (
+                ("schedule", ("self", "throttle_prefills")),
+                ("update_from_output", ("self", "scheduler_output", "model_runner_output")),
+            )
+        ),
+        Patch(
+            Target(block_pool, "BlockPool.reset_prefix_cache", ("self",)),
+            resetting_through_pool,
+            "a prefix-cache reset gives the cached blocks back to the pool",
+        ),
+        Patch(
+            Target(block_pool, "BlockPool.get_usage", ("self",)),
+            usage_of_held_memory,
+            "KV usage relative to what the pool can hold now",
+        ),
+    ]
+    requires = [
+        Target(block_pool, "BlockPool.__init__", block_pool_parameters),
+        Target(block_pool, "BlockPool.get_new_blocks", ("self", "num_blocks")),
+        Target(block_pool, "BlockPool.free_blocks", ("self", "ordered_blocks")),
+        Target(block_pool, "BlockPool.touch", ("self", "blocks")),
+        Target(block_pool, "BlockPool._maybe_evict_cached_block", ("self", "block")),
+        Target(block_pool, "BlockPool._notify_reuse", ("self", "blocks")),
+        Target(f"{_CORE}.kv_cache_utils", "FreeKVCacheBlockQueue.__init__", ("self", "blocks")),
+        Target(
+            "vllm.v1.kv_cache_interface",
+            "create_kv_cache_views",
+            ("raw", "spec", "num_blocks", "layout", "kv_cache_tensor", "kernel_block_size"),
+        ),
+    ]
+    return PatchSet(ENGINE, line, patches, requires)

@@ -1,0 +1,20 @@
+"""Patches for vLLM 0.33.x (see :mod:`kvshare.runtime.engines.vllm_common`).
+
+Differs from 0.30.x in constructor parameters: block hashes look ahead past each block.
+"""
+
+from __future__ import annotations
+
+from kvshare.runtime.engines.vllm_common import (
+    BLOCK_POOL_PARAMETERS,
+    COORDINATOR_PARAMETERS,
+    group_kernel_block_size,
+    vllm_patch_set,
+)
+
+PATCHES = vllm_patch_set(
+    "0.33.x",
+    coordinator_parameters=(*COORDINATOR_PARAMETERS, "num_hash_lookahead_tokens"),
+    block_pool_parameters=(*BLOCK_POOL_PARAMETERS, "num_hash_lookahead_tokens", "medium"),
+    kernel_block_size=group_kernel_block_size,
+)

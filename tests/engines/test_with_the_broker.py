@@ -1,0 +1,88 @@
+"""Engine pools under a real node agent: leases, identity and start-up turns from its broker.
+
+``kvshare node`` runs with fake GPUs and no cluster (as in the node agent's own tests);
+the pools are opened by the same functions the engine patches call, on the host backend.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvshare.api import env
+from kvshare.runtime.engines import pools
+from kvshare.runtime.engines.pools import Role
+from kvshare.runtime.geometry import KVGeometry
+from tests.deviceplugin.conftest import AgentProcess, wait_until
+
+MIB = 2**20
+GEOMETRY = KVGeometry(num_buffers=4, block_bytes=16 * 2**10, num_blocks=512, page_size=2 * MIB)
+
+
+@pytest.fixture
+def agent(short_tmp: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[AgentProcess]:
+    node = AgentProcess(short_tmp, "2x8Gi", [])
+    node.start()
+    settings = {
+        env.BROKER_SOCKET.name: str(node.broker_socket),
+        env.GPU_UUIDS.name: ",".join(gpu.uuid for gpu in node.gpus),
+        env.BACKEND.name: "host",
+        env.RESERVE_PAGES.name: "0",
+        env.KV_MIN.name: str(16 * MIB),
+        env.STATIC_BYTES.name: str(256 * MIB),
+        env.POD_NAMESPACE.name: "llm",
+        env.POD_NAME.name: "qwen-0",
+        env.POD_UID.name: "uid-qwen-0",
+        env.MODELSERVER.name: "qwen",
+    }
+    for name, value in settings.items():
+        monkeypatch.setenv(name, value)
+    try:
+        yield node
+    finally:
+        pools.forget_pools()
+        node.stop()
+
+
+def test_an_sglang_rank_leases_from_its_gpu_with_its_rank_and_real_tp_size(
+    agent: AgentProcess,
+) -> None:
+    pool = pools.open_local_pool(GEOMETRY, "cpu", Role("sglang", 1, 2, "local"), agreed=True)
+    views = wait_until(lambda: list(agent.pools().values()), what="the pool to say hello")
+    (view,) = views
+    assert (view.rank, view.tp_size, view.engine) == (1, 2, "sglang")
+    assert view.gpu == agent.gpus[1].uuid  # rank 1's GPU, from KVSHARE_GPU_UUIDS
+    assert (view.namespace, view.pod, view.modelserver) == ("llm", "qwen-0", "qwen")
+    assert pool.ownership.mode == "local" and pool.ownership.world_size == 2
+    ids = pool.alloc(8)
+    assert ids, "the broker's lease covers a few pages"
+    wait_until(lambda: agent.pools()[view.name].mapped > 0, what="the usage report")
+
+
+def test_engines_starting_on_one_gpu_take_turns(agent: AgentProcess) -> None:
+    events: list[str] = []
+    first_in = threading.Event()
+    let_go = threading.Event()
+
+    def start(name: str, hold: bool) -> None:
+        with pools.startup_turn(Role("vllm", 0, 1, "coordinated")):
+            events.append(f"{name} profiles")
+            if hold:
+                first_in.set()
+                let_go.wait(60)
+            events.append(f"{name} done")
+
+    first = threading.Thread(target=start, args=("first", True))
+    first.start()
+    assert first_in.wait(60)
+    second = threading.Thread(target=start, args=("second", False))
+    second.start()
+    wait_until(lambda: agent.view().gpus[0].turn_waiting == 1, what="the second engine to queue")
+    assert agent.view().gpus[0].static == 256 * MIB  # room for the holder's static memory
+    let_go.set()
+    first.join(60)
+    second.join(60)
+    assert events == ["first profiles", "first done", "second profiles", "second done"]

@@ -1,0 +1,28 @@
+"""Fixtures of the vLLM suite (runs inside one vLLM environment, see ../conftest.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvshare.api.engines import SupportedLine
+from kvshare.runtime.engines.patching import Target
+from tests.engines.suite import installed_line, mark_engines
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    mark_engines(items)
+
+
+@pytest.fixture(scope="session")
+def engine() -> str:
+    return "vllm"
+
+
+@pytest.fixture(scope="session")
+def line() -> SupportedLine:
+    return installed_line("vllm")
+
+
+@pytest.fixture
+def moved_target() -> Target:
+    return Target("vllm.v1.core.block_pool", "BlockPool.get_new_blocks", ("self", "count"))
