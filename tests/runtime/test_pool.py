@@ -257,6 +257,9 @@ class GatedHostBackend(HostBackend):
 
 
 def test_pages_the_reserve_is_creating_serve_an_allocation_instead_of_a_refusal() -> None:
+    """Real host memory; only the moment page creation finishes is held back (a gate, as a
+    slow device would), so the allocation surely comes while the reserve's pages are on
+    their way."""
     backend = GatedHostBackend()
     lease = StaticLease(3 * PAGE_BYTES)
     pool = KVPool(GEOMETRY, backend, lease, reserve_pages=2, background=False)
