@@ -1,11 +1,13 @@
 """Benchmark ``elastic``: the demo's comparison, static partitions against kvshare.
 
-The same seeded, bursty trace (``kvshare.demo.trace``, its defaults: 3 models with
-staggered busy windows in 36 s on one 4 GiB fake GPU, a busy model's load 3x what its static
-share can serve, a quiet model's 0.1x, clients that give up after 10 s without a first
-token) runs at once in two worlds of the same total memory: each model with a fixed equal
-share, and each model leased by the node agent's broker. Real processes, real pools on the
-``host`` backend, the real broker.
+The same seeded, bursty trace (``kvshare.demo.trace``, its defaults: 4 models with
+staggered 36 s busy windows in 144 s on one 4 GiB fake GPU, a busy model asking for what the
+whole GPU can serve, a quiet model for 0.1x what its static share can, clients that give up
+after 10 s without a first token) runs at once in two worlds of the same total memory:
+each model with a fixed equal share, and each model leased by the node agent's broker.
+Real processes, real pools on the ``host`` backend, the real broker; the trace runs four
+times as fast as the wall clock, which makes every delay of kvshare's count four times
+over (``kvshare.demo.orchestrator.DEFAULT_SPEED``).
 ``ratio`` = requests served elastic / static within the same time and memory;
 ``*_abandoned`` = requests whose clients gave up first. ``ideal_ratio`` is what the trace
 allows: the same schedulers simulated without memory, from equal partitions of blocks and
@@ -28,7 +30,7 @@ from kvshare.demo.orchestrator import DemoOptions, run_demo
 def run(quick: bool) -> Result:
     with tempfile.TemporaryDirectory(prefix="kvshare-bench-elastic-") as out:
         options = DemoOptions(
-            duration_s=18.0 if quick else DemoOptions().duration_s,
+            duration_s=36.0 if quick else DemoOptions().duration_s,
             output=Path(out),
             metrics_port=0,
             live=False,
@@ -61,14 +63,13 @@ def run(quick: bool) -> Result:
             Target("inconsistencies", "<=", 0),
         ],
         notes=(
-            f"Trace: seed {config.seed}, {config.models} models, {config.duration_s:g} s, "
-            f"{config.gpu_memory_bytes / 2**30:g} GiB GPU, busy load {config.busy_load:g}x "
-            f"and quiet load {config.quiet_load:g}x a static share's capacity, clients "
+            f"Trace: seed {config.seed}, {config.models} models, {config.duration_s:g} s "
+            f"at x{options.speed:g} speed, {config.gpu_memory_bytes / 2**30:g} GiB GPU, a "
+            f"busy model asking for {config.busy_gpu_load:g}x what the GPU serves and a "
+            f"quiet one for {config.quiet_load:g}x what its static share serves, clients "
             f"leave after {config.patience_s:g} s without a first token, "
             f"{len(outcome.trace.requests)} requests; wall time {outcome.wall_s:.0f} s. "
             f"On this trace instant sharing (ideal_ratio) would serve x{bound.ratio:.2f} "
-            f"the partitions' {sum(bound.partitioned)}: with bursts about as long as the "
-            "patience, static queues serve each burst's backlog after it "
-            "(src/kvshare/demo/trace.py)."
+            f"the partitions' {sum(bound.partitioned)} (src/kvshare/demo/trace.py)."
         ),
     )

@@ -14,7 +14,7 @@ def test_one_model_gets_the_same_from_a_partition_and_a_pool() -> None:
 
 
 def test_staggered_bursts_are_served_better_by_one_shared_pool() -> None:
-    config = TraceConfig(duration_s=12, gpu_memory_bytes=2 * 2**30, seed=1)
+    config = TraceConfig(duration_s=12, models=3, gpu_memory_bytes=2 * 2**30, seed=1)
     bursty = trace.generate(config)
     bound = sharing_bound(bursty)
     assert len(bound.partitioned) == len(bound.shared) == 3

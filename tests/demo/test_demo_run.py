@@ -1,4 +1,4 @@
-"""``kvshare demo`` end to end: the node agent, six model-server processes, real pools.
+"""``kvshare demo`` end to end: the node agent, model-server processes, real pools.
 
 A short run (a few seconds of trace on a 2 GiB fake GPU) through the normal entry point,
 ``python -m kvshare.cli demo``: it must finish, its counts must agree with the trace it
@@ -39,10 +39,14 @@ def short_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
         "6",
         "--gpu-memory",
         "2Gi",
+        "--models",
+        "3",
         "--seed",
         "3",
         "--patience",
         "1",
+        "--speed",
+        "3",
         "--metrics-port",
         "0",
         "--output",
@@ -90,6 +94,9 @@ def test_served_counts_agree_with_the_trace_that_ran(short_run: tuple[Path, str]
         assert gave_up >= server["abandoned"]
         assert all(wait <= ran.config.patience_s for wait in server["waits_s"])
     assert results["static"]["abandoned"] > 0, "a 1 s patience loses part of a burst"
+    # Every server ran the whole trace on the trace's clock, three times as fast as the wall.
+    assert results["speed"] == 3.0
+    assert all(s["samples"][-1]["t"] == ran.config.duration_s for s in results["servers"])
     # What the trace allows, simulated from the same trace file, is in the results.
     bound = results["bound"]
     assert len(bound["partitioned"]) == len(bound["shared"]) == ran.config.models

@@ -34,7 +34,7 @@ def test_busy_windows_are_staggered_one_model_at_a_time() -> None:
 
 
 def test_arrivals_follow_the_stated_load_in_each_phase() -> None:
-    config = TraceConfig(duration_s=600, models=3, busy_load=3.0, quiet_load=0.1)
+    config = TraceConfig(duration_s=600, models=3, busy_gpu_load=1.0, quiet_load=0.1)
     generated = trace.generate(config)
     for model in range(3):
         prefix = next(r.prefix_tokens for r in generated.for_model(model) if r.prefix_tokens)

@@ -83,9 +83,10 @@ def _serve(trace: Trace, allocators: list[_Blocks]) -> tuple[int, ...]:
 def sharing_bound(trace: Trace) -> Bound:
     """Serve ``trace`` from equal partitions and from one shared pool (see the module doc)."""
     config = trace.config
-    share = config.share_blocks()
-    partitions = [_Blocks(share) for _ in range(config.models)]
-    pool = _Blocks(share * config.models)
+    # Every real pool keeps block 0 as its null block: a share lends one block less.
+    usable = config.share_blocks() - 1
+    partitions = [_Blocks(usable) for _ in range(config.models)]
+    pool = _Blocks(usable * config.models)
     return Bound(
         partitioned=_serve(trace, partitions),
         shared=_serve(trace, [pool] * config.models),

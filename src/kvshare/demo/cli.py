@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from kvshare.api import names
 from kvshare.api.quantity import QuantityError, format_bytes, parse_bytes
+from kvshare.demo.orchestrator import DEFAULT_SPEED
 from kvshare.demo.trace import TraceConfig
 
 if TYPE_CHECKING:
@@ -66,6 +67,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         help=f"how many times each model's busy window comes round (default {_DEFAULTS['cycles']})",
     )
+    parser.add_argument(
+        "--speed",
+        type=float,
+        default=DEFAULT_SPEED,
+        help="trace seconds per wall-clock second: kvshare's own delays count this many "
+        f"times over (default {DEFAULT_SPEED:g}; 1 runs the trace in real time)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the generated trace")
     parser.add_argument(
         "--trace",
@@ -107,6 +115,8 @@ def _options(args: argparse.Namespace) -> DemoOptions:
         raise ValueError(f"--duration must be > 0, got {values['duration']}")
     if not float(values["patience"]) > 0:
         raise ValueError(f"--patience must be > 0, got {values['patience']}")
+    if not args.speed > 0:
+        raise ValueError(f"--speed must be > 0, got {args.speed}")
     if int(values["cycles"]) < 1:
         raise ValueError(f"--cycles must be at least 1, got {values['cycles']}")
     return DemoOptions(
@@ -116,6 +126,7 @@ def _options(args: argparse.Namespace) -> DemoOptions:
         patience_s=float(values["patience"]),
         cycles=int(values["cycles"]),
         seed=args.seed,
+        speed=args.speed,
         trace_file=args.trace,
         output=args.output,
         metrics_port=args.metrics_port,

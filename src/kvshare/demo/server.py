@@ -57,8 +57,9 @@ DEMO_LAYERS = 32
 #: 4 GiB demo GPU keeps a similar granularity with 256 KiB pages (256 logical pages).
 MIN_PAGES_PER_GPU = 256
 MAX_PAGE_SIZE = 2 * 2**20
-#: Lease growth step of an elastic pool: small next to a demo GPU.
-LEASE_CHUNK_BYTES = 64 * 2**20
+#: Lease growth step of an elastic pool: the runtime's default (256 MiB, a third of a
+#: percent of an 80 GiB GPU) scaled to a 4 GiB demo GPU, rounded up to one logical page.
+LEASE_CHUNK_BYTES = 16 * 2**20
 
 
 class DemoConfigError(ValueError):
@@ -266,7 +267,7 @@ def serve(args: argparse.Namespace, channel: _Channel) -> None:
         pool.set_evictor(engine.prefix_cache)
         channel.send(json.dumps({"kind": "ready", "model": args.model, "mode": args.mode}))
         start = _wait_for_start(sys.stdin)
-        clock = _Clock(engine, pool, lease, channel, args.sample_s)
+        clock = _Clock(engine, pool, lease, channel, args.sample_s, args.speed)
         stopped = clock.run(start, config.duration_s)
         waits, arrivals = engine.waits()
         result = ServerResult(
@@ -292,13 +293,20 @@ def serve(args: argparse.Namespace, channel: _Channel) -> None:
 
 @dataclass
 class _Clock:
-    """Steps the engine on the wall clock from the common start; samples as it goes."""
+    """Steps the engine on the wall clock from the common start; samples as it goes.
+
+    The trace's time runs ``speed`` times as fast as the wall clock: a decode step of
+    ``step_s`` simulated seconds takes ``step_s / speed`` of wall time. Everything else
+    (the broker, the pool's reserve thread, lease reports) keeps wall time, so their
+    delays count ``speed`` times over in the trace's time.
+    """
 
     engine: EngineSim
     pool: KVPool
     lease: ReclaimCounter
     channel: _Channel
     sample_s: float
+    speed: float
 
     def sample(self) -> Sample:
         peak = self.lease.take_peak()
@@ -326,13 +334,14 @@ class _Clock:
         watcher.register(sys.stdin, selectors.EVENT_READ)
         next_sample = 0.0
         while True:
-            engine.advance(min(time.monotonic() - start, duration_s))
+            engine.advance(min((time.monotonic() - start) * self.speed, duration_s))
             if engine.clock >= next_sample - 1e-9:
                 self.channel.send(self.sample().to_json())
                 next_sample += self.sample_s
             if engine.clock >= duration_s - 1e-9:
                 return False
-            wait = max(0.0, start + engine.clock + engine.step_s - time.monotonic())
+            due = start + (engine.clock + engine.step_s) / self.speed
+            wait = max(0.0, due - time.monotonic())
             if watcher.select(timeout=wait) and not sys.stdin.readline():
                 return True
 
@@ -343,7 +352,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", type=int, required=True, help="index of this model")
     parser.add_argument("--mode", choices=("static", "elastic"), required=True)
     parser.add_argument("--share-bytes", type=int, help="static lease (--mode static)")
-    parser.add_argument("--sample-s", type=float, default=0.25, help="seconds between samples")
+    parser.add_argument(
+        "--sample-s", type=float, default=0.25, help="trace seconds between samples"
+    )
+    parser.add_argument(
+        "--speed", type=float, default=1.0, help="trace seconds per wall-clock second"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.WARNING,
