@@ -41,6 +41,9 @@ Threads and locks
   settle: ``alloc``'s slow path waits on it when the only room left is pages another
   thread (the reserve thread, say) is creating or unmapping, as it would wait for
   creating them itself, rather than answer "no space" for memory a moment away.
+- ``_limit_lock`` guards the lease limit against :meth:`KVPool.steady_lease` scopes: a
+  lowered lease that arrives inside one waits in ``_deferred_limit`` until the last
+  scope ends. Held only for a few assignments; taken before ``_lock`` when both are.
 - ``_maintain_lock`` serialises maintenance passes (the background thread and explicit
   :meth:`KVPool.maintain` calls). Order: ``_maintain_lock`` before ``_lock``.
 - The background thread ("kvshare-pool-reserve") keeps ``reserve_pages`` ready pages
@@ -53,12 +56,13 @@ Threads and locks
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import logging
 import math
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -286,9 +290,12 @@ class KVPool:
         self._closed = False
         self._evictor: Evictor | None = None
 
-        # Lease state: written by lease_changed (any thread), read without a lock.
+        # Lease state: written under _limit_lock (any thread), read without a lock.
+        self._limit_lock = threading.Lock()
         self._limit_bytes = 0
         self._limit_pages = 0
+        self._steady_scopes = 0
+        self._deferred_limit: int | None = None
         self._lease_event = threading.Event()
         self._wanted = 0
         self._wanted_at = 0.0
@@ -757,11 +764,51 @@ class KVPool:
         Cheap and lock-free for the caller; the background thread acts on it (call
         :meth:`maintain` to act at once in a pool without one).
         """
-        if limit < self._limit_bytes:
+        if self._apply_limit(limit):
             self._report_due = True
-        self._set_limit(limit)
         self._lease_event.set()
         self._wake.set()
+
+    @contextlib.contextmanager
+    def steady_lease(self) -> Iterator[None]:
+        """A scope in which the lease does not drop: one engine decision that first asks
+        how many blocks it could have (:meth:`available`) and then takes them.
+
+        vLLM's scheduler checks the free block count and allocates later in the same
+        step; a reclaim landing in between would make the allocation fail where vLLM has
+        no way to fail. Inside the scope a lowered lease waits and takes effect (and is
+        acknowledged to the lease source) when the last scope ends; a raised lease
+        applies at once. The broker counts the old lease as taken until the pool
+        acknowledges, so waiting never over-commits the GPU. Scopes may nest and overlap
+        across threads; keep them short (a step, not a request).
+        """
+        with self._limit_lock:
+            self._steady_scopes += 1
+        try:
+            yield
+        finally:
+            with self._limit_lock:
+                self._steady_scopes -= 1
+                deferred = self._deferred_limit if self._steady_scopes == 0 else None
+                if deferred is not None:
+                    self._deferred_limit = None
+                    self._set_limit(deferred)
+            if deferred is not None:
+                self._report_due = True
+                self._lease_event.set()
+                self._wake.set()
+
+    def _apply_limit(self, limit: int) -> bool:
+        """Take ``limit`` as the lease, or keep it for later while a :meth:`steady_lease`
+        scope is open and it is lower. Whether the lease went down now."""
+        with self._limit_lock:
+            lower = limit < self._limit_bytes
+            if lower and self._steady_scopes:
+                self._deferred_limit = limit
+                return False
+            self._deferred_limit = None
+            self._set_limit(limit)
+            return lower
 
     def _set_limit(self, limit: int) -> None:
         self._limit_bytes = limit
@@ -787,7 +834,7 @@ class KVPool:
         with self._maintain_lock:
             if self._closed:
                 return
-            self._set_limit(self.lease.limit())
+            self._apply_limit(self.lease.limit())
             changed = self._rebalance()
             # The engine evicts in its own (LRU) order, which need not empty whole pages:
             # keep asking while that makes progress and the pool is still over its lease.

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import itertools
 import os
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -221,3 +223,42 @@ def test_kv_views_are_the_pool_memory_of_each_block(engine: Engine) -> None:
     raw = engine.rank.tensor(1)[0]  # buffer of layer 1: (num_blocks, block_bytes)
     assert bool((raw[block] == 0xA5).all())
     assert int(raw[ids[0]].sum()) == 0  # its neighbour in the same request is untouched
+
+
+def test_a_reclaim_between_counting_and_allocating_waits_for_the_step_to_end(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM counts free blocks and takes them later in the same scheduler step. A reclaim
+    that lands in between (the broker's timing, not the engine's) must not make the
+    allocation fail: the lower lease takes effect when the step ends."""
+    pool = engine.pool
+    told = threading.Event()
+    tell_pool = pool.lease_changed
+
+    def lease_changed(limit: int) -> None:
+        tell_pool(limit)
+        told.set()
+
+    monkeypatch.setattr(pool, "lease_changed", lease_changed)  # the broker's path, observed
+    block_pool = engine.manager.block_pool
+    count_free = block_pool.get_num_free_blocks
+    lower = 1 * len(LAYERS) * PAGE  # page 0 only: less than the request needs
+
+    def count_then_reclaim() -> int:
+        free = int(count_free())
+        if not told.is_set():
+            engine.rank.lease.set_limit(lower)
+            assert told.wait(10), "the reclaim did not reach the scheduler's pool"
+        return free
+
+    monkeypatch.setattr(block_pool, "get_num_free_blocks", count_then_reclaim)
+    req = request(prompt(40, 8))
+    scheduler = SimpleNamespace(kv_cache_manager=engine.manager)
+    step = vllm_blocks.holding_block_pool_lock(lambda _: schedule(engine, req))
+    ids = step(scheduler)
+    assert ids is not None and len(ids) == 8  # what vLLM counted is what it got
+    assert pool.snapshot().lease == lower  # the reclaim took effect when the step ended
+    engine.manager.free(req)
+    assert eventually(lambda: pool.snapshot().mapped <= len(LAYERS) * PAGE, pool.maintain), (
+        "the pool did not shrink to page 0 after the step"
+    )

@@ -12,7 +12,8 @@ Threads: the evictor runs on the pool's thread. One re-entrant lock per block po
 (``PooledFreeBlockQueue.lock``) is held by every queue operation, by the evictor and around
 ``Scheduler.schedule`` and ``Scheduler.update_from_output`` (see
 :func:`holding_block_pool_lock`), so a prefix hit found in ``schedule`` is never evicted
-before ``schedule`` takes a reference to it.
+before ``schedule`` takes a reference to it. The same steps hold the pool's lease steady,
+so a reclaim never lands between vLLM counting free blocks and taking them.
 """
 
 from __future__ import annotations
@@ -176,13 +177,15 @@ def attach(block_pool: Any, pool: KVPool) -> PooledFreeBlockQueue:
 
 
 def holding_block_pool_lock(original: AnyCallable) -> AnyCallable:
-    """Wrapper for a scheduler step: the pool's evictor waits until it is over."""
+    """Wrapper for a scheduler step: the pool's evictor waits until it is over, and so does
+    a lowered lease (vLLM counts free blocks and takes them later in the step, with no way
+    to fail in between; see :meth:`KVPool.steady_lease`)."""
 
     def step(self: Any, *args: Any, **kwargs: Any) -> Any:
         queue = queue_of(self.kv_cache_manager.block_pool)
         if queue is None:
             return original(self, *args, **kwargs)
-        with queue.lock:
+        with queue.pool.steady_lease(), queue.lock:
             return original(self, *args, **kwargs)
 
     return step

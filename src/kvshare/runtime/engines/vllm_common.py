@@ -469,7 +469,7 @@ def vllm_patch_set(
             Patch(
                 Target(scheduler, f"Scheduler.{name}", parameters),
                 holding_block_pool_lock,
-                "the pool evicts cached blocks between scheduler steps",
+                "the pool evicts cached blocks and lowers its lease between scheduler steps",
             )
             for name, parameters in (
                 ("schedule", ("self", "throttle_prefills")),
