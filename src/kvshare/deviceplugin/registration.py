@@ -139,6 +139,8 @@ class PluginManager:
         with self._lock:
             stream_lost, self._stream_lost = self._stream_lost, False
         for server in self._servers:
+            if self._stop.is_set():
+                return  # stop() removes the sockets: serving again would leave one behind
             if not server.serving():
                 if server.resource.name in self._registered_with:
                     log.info("device plugin socket %s is gone: serving again", server.path)
