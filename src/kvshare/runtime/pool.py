@@ -43,7 +43,7 @@ Threads and locks
   creating them itself, rather than answer "no space" for memory a moment away.
 - ``_limit_lock`` guards the lease limit against :meth:`KVPool.steady_lease` scopes: a
   lowered lease that arrives inside one waits in ``_deferred_limit`` until the last
-  scope ends. Held only for a few assignments; taken before ``_lock`` when both are.
+  scope ends. Held only for a few assignments, never while taking another lock.
 - ``_maintain_lock`` serialises maintenance passes (the background thread and explicit
   :meth:`KVPool.maintain` calls). Order: ``_maintain_lock`` before ``_lock``.
 - The background thread ("kvshare-pool-reserve") keeps ``reserve_pages`` ready pages
@@ -764,8 +764,11 @@ class KVPool:
         Cheap and lock-free for the caller; the background thread acts on it (call
         :meth:`maintain` to act at once in a pool without one).
         """
-        if self._apply_limit(limit):
-            self._report_due = True
+        self._lease_moved(lowered=self._apply_limit(limit))
+
+    def _lease_moved(self, *, lowered: bool) -> None:
+        if lowered:
+            self._report_due = True  # the next report acknowledges it, even if unchanged
         self._lease_event.set()
         self._wake.set()
 
@@ -790,13 +793,11 @@ class KVPool:
             with self._limit_lock:
                 self._steady_scopes -= 1
                 deferred = self._deferred_limit if self._steady_scopes == 0 else None
-                if deferred is not None:
+                if deferred is not None:  # applied under the lock: a newer limit wins
                     self._deferred_limit = None
                     self._set_limit(deferred)
             if deferred is not None:
-                self._report_due = True
-                self._lease_event.set()
-                self._wake.set()
+                self._lease_moved(lowered=True)
 
     def _apply_limit(self, limit: int) -> bool:
         """Take ``limit`` as the lease, or keep it for later while a :meth:`steady_lease`
