@@ -80,7 +80,7 @@ def write_plot(
             label=f"{mode}: p50 {summary.p50_wait_s:.2f} s, p95 {summary.p95_wait_s:.2f} s",
         )
     ax.set_ylabel("queueing delay (s)")
-    ax.set_xlabel("time since start (s); shaded: each model's busy window")
+    ax.set_xlabel("trace time (s); shaded: each model's busy window")
     ax.set_title("queueing delay of each request, by arrival time", fontsize=10, loc="left")
     ax.legend(loc="upper left", fontsize=8)
     ax.set_xlim(0, duration_s)
