@@ -230,6 +230,38 @@ def test_the_smallest_rank_lease_bounds_the_group_and_a_reclaim_shrinks_every_ra
         pool.close()
 
 
+def test_a_rank_hears_its_reclaim_is_in_force_only_once_the_owner_applies_it(
+    ranks: list[RankProcess], socket_dir: str
+) -> None:
+    """A rank acknowledges its broker's reclaim from the owner's reports; while the owner's
+    scheduler holds its lease steady, those reports still carry the old lease."""
+    start_ranks(ranks, socket_dir, world_size=2, limits=[8, 8])
+    pool = owner_pool(socket_dir, 2)
+
+    def report_after(count: int) -> dict[str, Any]:
+        deadline = time.monotonic() + TIMEOUT
+        while (latest := ranks[0].ask("reports"))["count"] <= count:
+            assert time.monotonic() < deadline, "the owner's report did not reach rank 0"
+            time.sleep(0.02)
+        return latest
+
+    try:
+        with pool.steady_lease():
+            ranks[0].ask(f"lower {3 * PAGE_BYTES}")
+            deadline = time.monotonic() + TIMEOUT
+            while pool.lease.limit() > 3 * PAGE_BYTES:  # the group heard of it
+                assert time.monotonic() < deadline, "the reclaim did not reach the owner"
+                time.sleep(0.02)
+            seen = ranks[0].ask("reports")["count"]
+            pool.maintain()  # reports go to every rank
+            assert report_after(seen)["limit"] == 8 * PAGE_BYTES
+        seen = ranks[0].ask("reports")["count"]
+        pool.maintain()
+        assert report_after(seen)["limit"] == 3 * PAGE_BYTES
+    finally:
+        pool.close()
+
+
 def test_a_killed_rank_is_an_error_to_the_owner_within_the_timeout(
     ranks: list[RankProcess], socket_dir: str
 ) -> None:

@@ -8,7 +8,8 @@ host backend), prints ``ready``, then answers commands on stdin, one JSON line e
 ``dump`` (the mapped pages, after writing and reading back every block of each through the
 engine's tensor view — only while the owner is idle, as an engine touches its KV cache only
 when its scheduler runs it), ``state`` (the mapped pages, untouched), ``lower BYTES`` (this
-rank's lease is reclaimed), ``exit``.
+rank's lease is reclaimed), ``reports`` (how many usage reports its lease got, and the
+lease in force in the last), ``exit``.
 """
 
 from __future__ import annotations
@@ -125,6 +126,10 @@ def run_coordinated(args: argparse.Namespace) -> None:
         elif command == "lower":
             lease.set_limit(int(rest[0]))
             print(json.dumps({"lowered": int(rest[0])}), flush=True)
+        elif command == "reports":
+            last = lease.reports[-1] if lease.reports else None
+            limit = last.limit if last is not None else None
+            print(json.dumps({"count": len(lease.reports), "limit": limit}), flush=True)
         elif command == "exit":
             break
     server.close()

@@ -157,12 +157,16 @@ class RankServer:
         page_bytes = self.geometry.page_bytes
         mapped = len(self.space.mapped_pages()) * page_bytes
         created = len(self.space.created_pages()) * page_bytes
+        # The owner's pool decides what is mapped, so the lease in force is the one it
+        # honoured: this rank's lease source acknowledges a reclaim only once it is.
+        limit = usage.get("limit")
         self.lease.report(
             PoolUsage(
                 mapped=mapped,
                 used=min(int(usage.get("used", 0)), mapped),
                 cached=min(int(usage.get("cached", 0)), mapped),
                 reserved=created - mapped,
+                limit=None if limit is None else int(limit),
             )
         )
 
