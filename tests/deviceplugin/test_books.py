@@ -542,3 +542,43 @@ def test_draining_refuses_engines_waiting_for_their_turn() -> None:
     assert [s.key for s in refused] == [2] and "draining" in refused[0].message.reason
     # The engine that already holds its turn may still finish starting.
     assert admit(books, "starting", 100, static=GIB, kv_min=0) > 0
+
+
+def test_a_pool_without_a_minimum_keeps_the_page_of_its_null_block() -> None:
+    """A pool's first page holds its null block and is never released; a reclaim below it
+    could never complete, and the pool would be refused growth for good."""
+    books = Books([GPU], headroom=GIB)  # budget 11 GiB
+    starting = admit(books, "starting", 10, kv_min=0)
+    granted = leases(books.want(starting, 1, PAGE, 0.0))  # its null block's page
+    assert granted == {starting: PAGE}
+    # Before it reports the page mapped, another pool asks for everything.
+    busy = admit(books, "busy", 11, kv_min=0)
+    sends = books.want(busy, 1, 11 * GIB, 0.1)
+    assert all(r.limit >= PAGE for r in reclaims(sends).values())
+    assert books.pool(starting).lease == PAGE  # type: ignore[union-attr]
+    assert leases(sends) == {busy: 11 * GIB - PAGE}
+    # A drain takes every pool to its minimum, and no pool below one page.
+    asked = reclaims(books.set_draining(GPU.uuid, True, 1.0))
+    assert starting not in asked and asked[busy].limit == PAGE
+    books.check()
+
+
+def test_a_pending_reclaim_is_deepened_when_the_waiter_needs_more() -> None:
+    books = Books([GPU], headroom=GIB)  # budget 11 GiB
+    a = in_use(books, "a", 10, 11 * GIB)
+    b = admit(books, "b", 11, kv_min=0)
+    books.want(b, 1, PAGE, 0.5)  # the page of its null block, reclaimed for it
+    pending = books.pool(a).reclaim  # type: ignore[union-attr]
+    assert pending is not None and pending.target == 11 * GIB - PAGE
+    # b's queue grows before a has released anything: a is asked for more at once, down to
+    # the fair share, instead of filling what is left of its lease meanwhile.
+    deeper = reclaims(books.want(b, 2, 8 * GIB, 1.0))[a]
+    assert deeper.limit == 11 * GIB // 2 and deeper.seq > pending.seq
+    assert books.pool(a).lease == 11 * GIB // 2  # type: ignore[union-attr]
+    # Acknowledging the first reclaim does not complete the deeper one.
+    still = Report(11 * GIB - PAGE, 11 * GIB - PAGE, 0, 0, ack=pending.seq)
+    assert leases(books.report(a, still, 1.5)) == {}
+    assert books.pool(a).reclaim is not None  # type: ignore[union-attr]
+    granted = leases(ack(books, a, deeper, 2.0))
+    assert granted[b] == 11 * GIB // 2
+    books.check()

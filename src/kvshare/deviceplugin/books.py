@@ -27,7 +27,8 @@ Policy
   refused with the numbers.
 - Growth is granted on demand from unleased memory, page-aligned, up to ``kv_max``.
 - Fair shares are a weighted max-min split of the budget (weight ``priority + 1``, each
-  pool between its ``kv_min`` and its demand: what it uses, or what it asks for while it
+  pool between its *floor* — ``kv_min``, and at least the page that holds its null block,
+  which a pool never releases — and its demand: what it uses, or what it asks for while it
   waits). A pool below its fair share that cannot grow makes the broker reclaim, in one
   round, everything it and the other waiters are short of:
 
@@ -35,13 +36,16 @@ Policy
      pool gives it back at once (it only lowers its limit and drops ready pages), so the
      waiter gets it within a round trip;
   2. then memory held above a fair share, lowest priority first, each pool down to no
-     less than its fair share and its minimum. Blocks in use count: the pool stops
+     less than its fair share and its floor. Blocks in use count: the pool stops
      placing new blocks in the pages it gives up and releases them as their requests
      finish (the runtime's pool does), so a pool with a backlog cannot keep more than its
      share.
 
-  Each reclaim has a deadline. A pool that misses it is reported (event and log) and
-  skipped for further reclaims; its memory stays charged to it until it does release.
+  A pool that is still releasing an earlier reclaim can be asked for more when the
+  waiters need more (the reclaim is re-issued with a lower target); otherwise it would
+  go on filling the rest of its lease until it had released the first. Each reclaim has
+  a deadline. A pool that misses it is reported (event and log) and skipped for further
+  reclaims; its memory stays charged to it until it does release.
 - Start-up turns: one engine per GPU at a time; the turn reserves the engine's static
   footprint and ``kv_min`` (reclaiming if needed) before it is granted, and the pool the
   engine then creates takes over that reservation.
@@ -193,6 +197,12 @@ class PoolRecord:
     def page(self) -> int:
         """The pool's page size: every lease is a multiple of it."""
         return self.hello.page_size
+
+    @property
+    def floor(self) -> int:
+        """The least the pool is ever taken down to: its minimum, and at least the page
+        that holds its null block (which it never releases)."""
+        return max(self.kv_min, self.page)
 
     @property
     def priority(self) -> int:
@@ -641,7 +651,7 @@ class Books:
         at_max = pool.kv_max is not None and asked > pool.kv_max
         if pool.kv_max is not None:
             asked = min(asked, pool.kv_max)
-        pool.want = max(asked, pool.kv_min)
+        pool.want = max(asked, pool.floor)
         target = self._cap(gpu, pool)
         reason: str | None = None
         if pool.reclaim is not None:
@@ -677,7 +687,7 @@ class Books:
         """What the pool may grow to now: its want, or its minimum on a GPU that is
         draining or unhealthy."""
         if gpu.draining or not gpu.healthy:
-            return min(pool.want, pool.kv_min)
+            return min(pool.want, pool.floor)
         return pool.want
 
     def _waiting(self, gpu: _Gpu) -> list[PoolRecord]:
@@ -775,17 +785,17 @@ class Books:
 
     def _fair(self, gpu: _Gpu) -> dict[int, int]:
         if gpu.draining:
-            return {p.id: p.kv_min for p in gpu.pools.values()}
+            return {p.id: p.floor for p in gpu.pools.values()}
         capacity = gpu.budget - gpu.turn_need() - (gpu.charged - self._pool_charges(gpu))
         entries = []
         for p in gpu.pools.values():
             # Demand is what the pool uses, or what it asks for while it waits; leases it
             # does not use (and prefix cache it could evict) do not count.
             waiting = p.want if p.want > p.lease else 0
-            demand = max(p.kv_min, p.usage.used, waiting)
+            demand = max(p.floor, p.usage.used, waiting)
             if p.kv_max is not None:
-                demand = min(demand, max(p.kv_max, p.kv_min))
-            entries.append((p.id, p.kv_min, demand, p.priority + 1))
+                demand = min(demand, max(p.kv_max, p.floor))
+            entries.append((p.id, p.floor, demand, p.priority + 1))
         return fair_shares(capacity, entries)
 
     @staticmethod
@@ -830,13 +840,13 @@ class Books:
         waiters = self._waiting(gpu)
         shortfall = gpu.turn_need()
         for pool in waiters:
-            entitled = min(self._cap(gpu, pool), max(fair[pool.id], pool.kv_min))
+            entitled = min(self._cap(gpu, pool), max(fair[pool.id], pool.floor))
             shortfall += max(0, entitled - pool.lease)
         incoming = 0
         for pool in gpu.pools.values():
             pending = pool.reclaim
             if pending is not None and not pending.overdue:
-                incoming += max(0, pool.charge - max(pool.kv_min, pending.target))
+                incoming += max(0, pool.charge - max(pool.floor, pending.target))
         # Idle lease is taken for everything the waiters are short of, even what pending
         # reclaims will bring: it costs its holder nothing and comes back at once, while
         # memory in use comes back only as its requests finish.
@@ -844,10 +854,15 @@ class Books:
         need = idle_need - incoming
         if idle_need <= 0:
             return []
-        # Never below a pool's fair share or its minimum.
-        floors = {p.id: _align_up(max(fair[p.id], p.kv_min), p.page) for p in gpu.pools.values()}
+        # Never below a pool's fair share or its floor. Pools still releasing a reclaim can
+        # be asked for more; those past its deadline are left alone (see the module doc).
+        floors = {p.id: _align_up(max(fair[p.id], p.floor), p.page) for p in gpu.pools.values()}
         victims = sorted(
-            (p for p in gpu.pools.values() if p.reclaim is None and p.lease > floors[p.id]),
+            (
+                p
+                for p in gpu.pools.values()
+                if (p.reclaim is None or not p.reclaim.overdue) and p.lease > floors[p.id]
+            ),
             key=lambda p: (p.priority, -(p.held - p.usage.used), -(p.lease - floors[p.id]), p.id),
         )
         waiting = {p.id for p in waiters}
@@ -1093,10 +1108,10 @@ class Books:
                 reason = f"GPU {gpu.info.index} is draining: it takes no new engines"
                 sends.append(Send("turn", waiter.key, TurnRefused(waiter.request.seq, reason)))
             for pool in gpu.pools.values():
-                if pool.lease > pool.kv_min and (
-                    pool.reclaim is None or pool.reclaim.target > pool.kv_min
+                if pool.lease > pool.floor and (
+                    pool.reclaim is None or pool.reclaim.target > pool.floor
                 ):
-                    sends.append(self._reclaim(gpu, pool, pool.kv_min, now, "draining"))
+                    sends.append(self._reclaim(gpu, pool, pool.floor, now, "draining"))
         log.info("GPU %d %s", gpu.info.index, "draining" if draining else "no longer draining")
         return sends + self._serve(gpu, now)
 
