@@ -15,6 +15,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,36 @@ def wait_until(predicate: Callable[[], Any], timeout: float = 30.0, what: str = 
         if time.monotonic() > deadline:
             pytest.fail(f"timed out after {timeout:.0f} s waiting for {what or predicate}")
         time.sleep(0.02)
+
+
+def check_engines_take_turns(
+    agent: AgentProcess, turn: Callable[[], AbstractContextManager[object]], static_bytes: int
+) -> None:
+    """Two engines start through ``turn`` on the agent's first GPU at once: the second
+    waits until the first is done, and the holder's static memory stays reserved."""
+    events: list[str] = []
+    first_in = threading.Event()
+    let_go = threading.Event()
+
+    def start(name: str, hold: bool) -> None:
+        with turn():
+            events.append(f"{name} starts")
+            if hold:
+                first_in.set()
+                let_go.wait(60)
+            events.append(f"{name} done")
+
+    first = threading.Thread(target=start, args=("first", True))
+    first.start()
+    assert first_in.wait(60)
+    second = threading.Thread(target=start, args=("second", False))
+    second.start()
+    wait_until(lambda: agent.view().gpus[0].turn_waiting == 1, what="the second engine to queue")
+    assert agent.view().gpus[0].static == static_bytes  # the holder's room is reserved
+    let_go.set()
+    first.join(60)
+    second.join(60)
+    assert events == ["first starts", "first done", "second starts", "second done"]
 
 
 @pytest.fixture

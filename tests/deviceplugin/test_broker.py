@@ -22,7 +22,15 @@ from kvshare.deviceplugin.admin import AdminRequest
 from kvshare.deviceplugin.audit import memfd_bytes
 from kvshare.runtime.broker_client import startup_turn
 
-from .conftest import GIB, MIB, ROOT, AgentProcess, PoolProcess, wait_until
+from .conftest import (
+    GIB,
+    MIB,
+    ROOT,
+    AgentProcess,
+    PoolProcess,
+    check_engines_take_turns,
+    wait_until,
+)
 
 # 2 GiB fake GPU, 256 MiB headroom: pools share a 1.75 GiB budget.
 GPU_SPEC = "1x2Gi"
@@ -368,30 +376,13 @@ def test_a_pool_holding_more_than_its_lease_is_flagged_by_the_audit(
 def test_startup_turns_are_given_one_at_a_time_per_gpu(agent_factory: AgentFactory) -> None:
     agent = agent_factory(GPU_SPEC, *HEADROOM)
     gpu = agent.gpus[0].uuid
-    events: list[str] = []
-    first_holds = threading.Event()
-    release_first = threading.Event()
-
-    def engine(name: str, hold: threading.Event | None) -> None:
-        with startup_turn(gpu, static_bytes=256 * MIB, socket_path=str(agent.broker_socket),
-                          timeout_s=30):  # fmt: skip
-            events.append(f"{name} starts")
-            if hold is not None:
-                first_holds.set()
-                release_first.wait(30)
-            events.append(f"{name} done")
-
-    first = threading.Thread(target=engine, args=("first", release_first))
-    first.start()
-    assert first_holds.wait(30)
-    second = threading.Thread(target=engine, args=("second", None))
-    second.start()
-    wait_until(lambda: agent.view().gpus[0].turn_waiting == 1, what="the second to queue")
-    assert agent.view().gpus[0].static == 256 * MIB  # the holder's room is reserved
-    release_first.set()
-    first.join(30)
-    second.join(30)
-    assert events == ["first starts", "first done", "second starts", "second done"]
+    check_engines_take_turns(
+        agent,
+        lambda: startup_turn(
+            gpu, static_bytes=256 * MIB, socket_path=str(agent.broker_socket), timeout_s=30
+        ),
+        static_bytes=256 * MIB,
+    )
     assert agent.view().gpus[0].static == 0
 
 

@@ -6,7 +6,6 @@ the pools are opened by the same functions the engine patches call, on the host 
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,7 +15,7 @@ from kvshare.api import env
 from kvshare.runtime.engines import pools
 from kvshare.runtime.engines.pools import Role
 from kvshare.runtime.geometry import KVGeometry
-from tests.deviceplugin.conftest import AgentProcess, wait_until
+from tests.deviceplugin.conftest import AgentProcess, check_engines_take_turns, wait_until
 
 MIB = 2**20
 GEOMETRY = KVGeometry(num_buffers=4, block_bytes=16 * 2**10, num_blocks=512, page_size=2 * MIB)
@@ -63,26 +62,8 @@ def test_an_sglang_rank_leases_from_its_gpu_with_its_rank_and_real_tp_size(
 
 
 def test_engines_starting_on_one_gpu_take_turns(agent: AgentProcess) -> None:
-    events: list[str] = []
-    first_in = threading.Event()
-    let_go = threading.Event()
-
-    def start(name: str, hold: bool) -> None:
-        with pools.startup_turn(Role("vllm", 0, 1, "coordinated")):
-            events.append(f"{name} profiles")
-            if hold:
-                first_in.set()
-                let_go.wait(60)
-            events.append(f"{name} done")
-
-    first = threading.Thread(target=start, args=("first", True))
-    first.start()
-    assert first_in.wait(60)
-    second = threading.Thread(target=start, args=("second", False))
-    second.start()
-    wait_until(lambda: agent.view().gpus[0].turn_waiting == 1, what="the second engine to queue")
-    assert agent.view().gpus[0].static == 256 * MIB  # room for the holder's static memory
-    let_go.set()
-    first.join(60)
-    second.join(60)
-    assert events == ["first profiles", "first done", "second profiles", "second done"]
+    check_engines_take_turns(
+        agent,
+        lambda: pools.startup_turn(Role("vllm", 0, 1, "coordinated")),
+        static_bytes=256 * MIB,  # KVSHARE_STATIC_BYTES of the fixture
+    )
