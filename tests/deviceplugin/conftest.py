@@ -12,7 +12,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
@@ -24,22 +23,11 @@ import pytest
 from kvshare.deviceplugin.admin import AdminClient, AdminError, AdminRequest
 from kvshare.deviceplugin.inventory import parse_fake_gpus
 from kvshare.deviceplugin.views import BooksView, PoolView
+from tests.polling import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 GIB = 2**30
 MIB = 2**20
-
-
-def wait_until(predicate: Callable[[], Any], timeout: float = 30.0, what: str = "") -> Any:
-    """Poll ``predicate`` until it returns something truthy; fail after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout:.0f} s waiting for {what or predicate}")
-        time.sleep(0.02)
 
 
 def check_engines_take_turns(

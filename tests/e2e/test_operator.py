@@ -10,6 +10,7 @@ from typing import Any, TypeVar
 import pytest
 
 from kvshare.api import names
+from tests.polling import wait_until
 
 pytestmark = pytest.mark.cluster
 
@@ -18,14 +19,8 @@ TIMEOUT = 180.0
 
 
 def eventually(check: Callable[[], T], what: str, timeout: float = TIMEOUT) -> T:
-    deadline = time.monotonic() + timeout
-    while True:
-        result = check()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(1)
+    """``wait_until`` at a pace a real API server does not mind."""
+    return wait_until(check, timeout, what, interval=1.0)
 
 
 def modelserver(name: str, **spec: Any) -> dict[str, Any]:

@@ -6,12 +6,12 @@ there): it is a real :class:`LeaseSource` whose grants and reclaims the test dec
 
 from __future__ import annotations
 
+import functools
 import threading
-import time
-from collections.abc import Callable
 
 from kvshare.runtime.lease import LeaseHolder, LeaseSource, PoolUsage
 from kvshare.runtime.pool import KVPool
+from tests import polling
 
 MIB = 2**20
 
@@ -72,10 +72,5 @@ class PrefixCache:
         return len(victims)
 
 
-def wait_until(condition: Callable[[], bool], timeout: float = 20.0) -> None:
-    """Poll ``condition`` until it holds; fail after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        time.sleep(0.01)
+#: The runtime's waits are short: a lease or a page moves within a few seconds.
+wait_until = functools.partial(polling.wait_until, timeout=20.0)
