@@ -1,0 +1,183 @@
+"""A client of one ``vllm serve``: its OpenAI completions API and its Prometheus metrics.
+
+Only what a user's client does: HTTP requests to ``/v1/completions`` (greedy, with the
+token ids vLLM returns on request), streamed when the time to the first token matters, and
+scrapes of ``/metrics``. Standard library only (plus ``prometheus_client``'s parser for
+the metrics text).
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import time
+import urllib.parse
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvshare.demo.serving.vllm_server import MODEL_NAME
+
+__all__ = [
+    "Completion",
+    "CompletionError",
+    "StreamedCompletion",
+    "complete",
+    "metric_values",
+    "post",
+    "stream_complete",
+]
+
+
+class CompletionError(RuntimeError):
+    """The server answered a request with an error status; ``status`` holds it."""
+
+    def __init__(self, status: int, body: str) -> None:
+        super().__init__(f"HTTP {status}: {body[:500]}")
+        self.status = status
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One finished greedy completion."""
+
+    status: int
+    token_ids: tuple[int, ...]
+    prompt_token_ids: tuple[int, ...]
+    text: str
+    finish_reason: str
+
+
+def _body(
+    prompt: str | Sequence[int], max_tokens: int, *, ignore_eos: bool, stream: bool
+) -> dict[str, Any]:
+    return {
+        "model": MODEL_NAME,
+        "prompt": prompt if isinstance(prompt, str) else list(prompt),
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": ignore_eos,
+        "return_token_ids": True,
+        "stream": stream,
+    }
+
+
+def post(
+    url: str, path: str, payload: dict[str, Any] | None = None, timeout_s: float = 600.0
+) -> Any:
+    """POST JSON to ``url + path``; the decoded JSON answer (``None`` for an empty one)."""
+    data = json.dumps(payload or {}).encode()
+    request = urllib.request.Request(
+        url + path, data=data, headers={"Content-Type": "application/json"}, method="POST"
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            body = response.read()
+    except urllib.error.HTTPError as exc:
+        raise CompletionError(exc.code, exc.read().decode(errors="replace")) from None
+    return json.loads(body) if body.strip() else None
+
+
+def complete(
+    url: str,
+    prompt: str | Sequence[int],
+    max_tokens: int,
+    *,
+    ignore_eos: bool = True,
+    timeout_s: float = 600.0,
+) -> Completion:
+    """One greedy completion; :class:`CompletionError` on an error status."""
+    answer = post(
+        url, "/v1/completions", _body(prompt, max_tokens, ignore_eos=ignore_eos, stream=False),
+        timeout_s,
+    )  # fmt: skip
+    choice = answer["choices"][0]
+    return Completion(
+        status=200,
+        token_ids=tuple(choice["token_ids"]),
+        prompt_token_ids=tuple(choice.get("prompt_token_ids") or ()),
+        text=choice["text"],
+        finish_reason=str(choice.get("finish_reason")),
+    )
+
+
+@dataclass(frozen=True)
+class StreamedCompletion:
+    """A streamed completion as its client saw it: when tokens came, or that it gave up."""
+
+    status: int
+    token_ids: tuple[int, ...]
+    ttft_s: float | None
+    """Seconds from sending to the first generated token (``None``: no token came)."""
+    total_s: float
+    abandoned: bool
+    """The client gave up before a first token (``patience_s``) and closed the connection."""
+
+
+def stream_complete(
+    url: str,
+    prompt: str | Sequence[int],
+    max_tokens: int,
+    *,
+    patience_s: float | None = None,
+    ignore_eos: bool = True,
+    timeout_s: float = 600.0,
+) -> StreamedCompletion:
+    """A streamed greedy completion. With ``patience_s``, the client closes the connection
+    if no token has come by then (vLLM aborts a request whose client has gone)."""
+    parsed = urllib.parse.urlsplit(url)
+    connection = http.client.HTTPConnection(
+        parsed.hostname or "127.0.0.1", parsed.port, timeout=patience_s or timeout_s
+    )
+    started = time.monotonic()
+    tokens: list[int] = []
+    ttft: float | None = None
+    try:
+        body = json.dumps(_body(prompt, max_tokens, ignore_eos=ignore_eos, stream=True))
+        connection.request(
+            "POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"}
+        )
+        response = connection.getresponse()
+        if response.status != 200:
+            raise CompletionError(response.status, response.read().decode(errors="replace"))
+        while True:
+            try:
+                line = response.readline()
+            except TimeoutError:
+                if ttft is None:
+                    return StreamedCompletion(200, (), None, time.monotonic() - started, True)
+                raise
+            if not line:
+                break
+            line = line.strip()
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                break
+            chunk = json.loads(data)
+            for choice in chunk.get("choices", ()):
+                ids = choice.get("token_ids") or ()
+                if ids and ttft is None:
+                    ttft = time.monotonic() - started
+                    if connection.sock is not None:
+                        connection.sock.settimeout(timeout_s)
+                tokens.extend(ids)
+    finally:
+        connection.close()
+    return StreamedCompletion(200, tuple(tokens), ttft, time.monotonic() - started, False)
+
+
+def metric_values(url: str, timeout_s: float = 5.0) -> dict[str, float]:
+    """The server's ``/metrics``, as ``name{label="value",...}`` -> value (labels sorted)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"{url}/metrics", timeout=timeout_s) as response:
+        text = response.read().decode()
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+            values[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return values
