@@ -36,8 +36,17 @@ def test_the_virtual_size_is_kv_max(standalone: None) -> None:
 
 def test_without_kv_max_a_host_pool_asks_for_it(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("KVSHARE_KV_MAX", raising=False)
+    monkeypatch.delenv("KVSHARE_KV_LIMIT", raising=False)
     with pytest.raises(EngineConfigError, match="set KVSHARE_KV_MAX"):
         pools.virtual_kv_bytes("cpu")
+
+
+def test_a_standalone_host_pool_is_sized_from_its_fixed_lease(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("KVSHARE_KV_MAX", raising=False)
+    monkeypatch.setenv("KVSHARE_KV_LIMIT", "48Mi")
+    assert pools.virtual_kv_bytes("cpu") == 48 * 2**20
 
 
 def test_vllm_profiles_with_its_own_explicit_kv_size(standalone: None) -> None:

@@ -67,3 +67,15 @@ def test_engines_starting_on_one_gpu_take_turns(agent: AgentProcess) -> None:
         lambda: pools.startup_turn(Role("vllm", 0, 1, "coordinated")),
         static_bytes=256 * MIB,  # KVSHARE_STATIC_BYTES of the fixture
     )
+
+
+def test_a_host_pool_is_sized_from_the_gpu_memory_the_agent_declares(
+    agent: AgentProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(env.KV_MAX.name, raising=False)
+    monkeypatch.delenv(env.KV_LIMIT.name, raising=False)
+    with pools.startup_turn(Role("vllm", 1, 2, "coordinated")):
+        # Rank 1's GPU is agent.gpus[1]: its declared 8 GiB, less the worker's static bytes.
+        assert pools.virtual_kv_bytes("cpu", rank=1) == 8 * 2**30 - 256 * MIB
+    with pytest.raises(pools.EngineConfigError, match="set KVSHARE_KV_MAX"):
+        pools.virtual_kv_bytes("cpu", rank=0)  # no turn taken on GPU 0: nothing stated it

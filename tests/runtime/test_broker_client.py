@@ -225,8 +225,9 @@ def test_startup_turns_wait_time_out_and_refuse_what_cannot_fit(
     broker: Broker, run_dir: Path
 ) -> None:
     socket_path = str(run_dir / "broker.sock")
-    with startup_turn(GPU.uuid, static_bytes=GIB, socket_path=socket_path) as hold_s:
-        assert hold_s > 0
+    with startup_turn(GPU.uuid, static_bytes=GIB, socket_path=socket_path) as turn:
+        assert turn.hold_s > 0
+        assert turn.gpu_total == GPU.total_bytes
         waiting = startup_turn(GPU.uuid, socket_path=socket_path, timeout_s=0.3)
         with pytest.raises(StartupTurnTimeoutError, match="KVSHARE_STARTUP_TIMEOUT"):
             waiting.__enter__()

@@ -225,11 +225,17 @@ class TurnRequest(Message):
 
 @dataclass(frozen=True, slots=True)
 class TurnGranted(Message):
-    """The start-up turn is this connection's until :class:`TurnDone` or close."""
+    """The start-up turn is this connection's until :class:`TurnDone` or close.
+
+    ``gpu_total`` is the GPU's memory as the node agent's inventory has it (NVML, or the
+    declared ``--fake-gpus``): what an engine without a device of its own to ask (the
+    ``host`` backend) sizes its KV cache from. 0 from a broker that does not say.
+    """
 
     TYPE: ClassVar[str] = "turn-granted"
     seq: int
     hold_s: float
+    gpu_total: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -1064,7 +1064,10 @@ class Books:
             _size(head.request.static),
             _size(head.request.kv_min),
         )
-        return [Send("turn", head.key, TurnGranted(seq=head.request.seq, hold_s=self._turn_hold_s))]
+        granted = TurnGranted(
+            seq=head.request.seq, hold_s=self._turn_hold_s, gpu_total=gpu.info.total_bytes
+        )
+        return [Send("turn", head.key, granted)]
 
     def _release_turn(self, gpu: _Gpu, now: float) -> list[Send]:
         turn = gpu.turn

@@ -682,14 +682,15 @@ def startup_turn(
     timeout_s: float | None = None,
     socket_path: str | None = None,
     identity: PoolIdentity | None = None,
-) -> Iterator[float]:
+) -> Iterator[TurnGranted]:
     """Hold the GPU's start-up turn while an engine loads and profiles memory.
 
     One engine per GPU at a time; the broker first makes room for ``static_bytes`` +
-    ``kv_min`` (reclaiming lent memory). Yields the longest the turn may be held (the
-    broker takes it back after that). Raises :class:`StartupTurnTimeoutError` after
-    ``timeout_s`` (default ``KVSHARE_STARTUP_TIMEOUT``), :class:`StartupTurnRefusedError`
-    when the engine cannot fit, :class:`BrokerUnavailableError` without a broker.
+    ``kv_min`` (reclaiming lent memory). Yields the grant: the longest the turn may be
+    held (the broker takes it back after that) and the GPU's memory. Raises
+    :class:`StartupTurnTimeoutError` after ``timeout_s`` (default
+    ``KVSHARE_STARTUP_TIMEOUT``), :class:`StartupTurnRefusedError` when the engine cannot
+    fit, :class:`BrokerUnavailableError` without a broker.
     """
     wait = timeout_s if timeout_s is not None else env.STARTUP_TIMEOUT.require()
     path = socket_path or broker_socket_path()
@@ -721,7 +722,7 @@ def startup_turn(
         if not isinstance(answer, TurnGranted):
             raise BrokerUnavailableError(f"unexpected {answer.TYPE!r} from the broker")
         log.info("holding the start-up turn of GPU %s", gpu)
-        yield answer.hold_s
+        yield answer
         with contextlib.suppress(OSError):
             sock.sendall(BROKER_CODEC.encode(TurnDone(seq=request.seq)))
     finally:

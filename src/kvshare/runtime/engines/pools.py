@@ -64,8 +64,10 @@ class Role:
     ownership: Literal["local", "coordinated"]
 
 
-_lock = threading.Lock()  # guards _opened
+_lock = threading.Lock()  # guards _opened and _gpu_totals
 _opened: list[KVPool | RankServer] = []  # closed by forget_pools (engine shutdown, tests)
+#: GPU UUID -> its memory, as the broker's start-up turn stated it (the node agent's inventory).
+_gpu_totals: dict[str, int] = {}
 
 
 def device_index(device: torch.device | str) -> int:
@@ -88,12 +90,16 @@ def page_size() -> int:
     return env.PAGE_SIZE.require()
 
 
-def virtual_kv_bytes(device: torch.device | str) -> int:
+def virtual_kv_bytes(device: torch.device | str, rank: int = 0) -> int:
     """The KV capacity the engine sizes its cache for: the pool's virtual size.
 
-    ``KVSHARE_KV_MAX`` when set; otherwise the device's total memory less this worker's
-    static footprint (``KVSHARE_STATIC_BYTES``). Never the device's *free* memory, which
-    co-located servers change under each other. Physical use is bounded by the lease.
+    ``KVSHARE_KV_MAX`` when set; otherwise the GPU's total memory less this worker's
+    static footprint (``KVSHARE_STATIC_BYTES``), the total read from the CUDA device, or
+    for a pool without one (the ``host`` backend) from the node agent's inventory as the
+    broker's start-up turn stated it; standalone, without a node agent, the fixed lease
+    (``KVSHARE_KV_LIMIT``), which the pool never maps beyond. Never the device's *free*
+    memory, which co-located servers change under each other. Physical use is bounded by
+    the lease.
     """
     kv_max = env.KV_MAX.read()
     if kv_max is not None:
@@ -101,19 +107,40 @@ def virtual_kv_bytes(device: torch.device | str) -> int:
     import torch
 
     target = torch.device(device)
-    if target.type != "cuda":
-        raise EngineConfigError(
-            f"a KV cache on {target} has no device memory to be sized from; set "
-            "KVSHARE_KV_MAX to the largest KV cache (bytes) this worker may grow to"
-        )
-    _, total = torch.cuda.mem_get_info(device_index(target))
+    if target.type == "cuda":
+        _, total = torch.cuda.mem_get_info(device_index(target))
+        return _less_static(int(total), "the device's memory")
+    total = _granted_gpu_total(rank)
+    if total:
+        return _less_static(total, "the GPU's memory in the node agent's inventory")
+    limit = env.KV_LIMIT.read()
+    if limit is not None:
+        return limit
+    raise EngineConfigError(
+        f"a KV cache on {target} has no device memory to be sized from and no node agent "
+        "stated its GPU's memory; set KVSHARE_KV_MAX to the largest KV cache (bytes) this "
+        "worker may grow to"
+    )
+
+
+def _less_static(total: int, what: str) -> int:
     static = env.STATIC_BYTES.require()
     if total <= static:
         raise EngineConfigError(
-            f"KVSHARE_STATIC_BYTES ({static}) is not below the device's memory ({total}); "
+            f"KVSHARE_STATIC_BYTES ({static}) is not below {what} ({total}); "
             "set it to this worker's weights, activations and CUDA context"
         )
-    return int(total) - static
+    return total - static
+
+
+def _granted_gpu_total(rank: int) -> int:
+    """The memory of ``rank``'s GPU stated by a start-up turn of this process, or 0."""
+    from kvshare.runtime.leases import gpu_for_rank
+
+    if not env.GPU_UUIDS.read():
+        return 0
+    with _lock:
+        return _gpu_totals.get(gpu_for_rank(rank), 0)
 
 
 def _backend_kind() -> BackendKind:
@@ -217,10 +244,12 @@ def open_owner_pool(geometry: KVGeometry, group: str, world_size: int) -> KVPool
 
 
 def forget_pools() -> None:
-    """Close every pool and rank server this process opened (engine shutdown, tests)."""
+    """Close every pool and rank server this process opened, and forget the GPU memory
+    start-up turns stated (engine shutdown, tests)."""
     with _lock:
         opened = list(reversed(_opened))
         _opened.clear()
+        _gpu_totals.clear()
     for item in opened:
         item.close()
 
@@ -246,10 +275,14 @@ def startup_turn(role: Role) -> Iterator[None]:
         yield
         return
     identity = PoolIdentity.from_env(rank=role.rank, tp_size=role.world_size, engine=role.engine)
+    gpu = gpu_for_rank(role.rank)
     with broker_turn(
-        gpu_for_rank(role.rank),
+        gpu,
         static_bytes=env.STATIC_BYTES.require(),
         kv_min=env.KV_MIN.require(),
         identity=identity,
-    ):
+    ) as granted:
+        if granted.gpu_total > 0:
+            with _lock:
+                _gpu_totals[gpu] = granted.gpu_total
         yield
