@@ -13,13 +13,13 @@ import json
 import os
 import queue
 import random
-import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -47,7 +47,7 @@ class RankProcess:
         group: str,
         rank: int,
         world_size: int,
-        directory: str,
+        namespace: str,
         limit_pages: int = 64,
     ) -> None:
         self.rank = rank
@@ -65,8 +65,8 @@ class RankProcess:
                 str(rank),
                 "--world-size",
                 str(world_size),
-                "--dir",
-                directory,
+                "--namespace",
+                namespace,
                 "--limit-pages",
                 str(limit_pages),
             ],
@@ -113,15 +113,21 @@ class RankProcess:
         self.stderr.close()
 
 
-@pytest.fixture
-def socket_dir() -> Iterator[str]:
-    directory = tempfile.mkdtemp(prefix="kvs", dir="/tmp")
-    yield directory
-    shutil.rmtree(directory, ignore_errors=True)
+def abstract_sockets(namespace: str) -> list[str]:
+    """Unix sockets of this machine bound in the abstract namespace under ``namespace``."""
+    lines = Path("/proc/net/unix").read_text().splitlines()[1:]
+    names = [line.split()[-1] for line in lines if len(line.split()) == 8]
+    return [name for name in names if name.startswith(f"@{namespace}/")]
 
 
 @pytest.fixture
-def ranks(socket_dir: str) -> Iterator[list[RankProcess]]:
+def namespace() -> str:
+    """Keeps this test's rank sockets apart from any other run's."""
+    return f"kvs-test-{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+def ranks(namespace: str) -> Iterator[list[RankProcess]]:
     started: list[RankProcess] = []
     yield started
     for rank in started:
@@ -131,7 +137,7 @@ def ranks(socket_dir: str) -> Iterator[list[RankProcess]]:
 
 
 def start_ranks(
-    ranks: list[RankProcess], directory: str, world_size: int, limits: list[int] | None = None
+    ranks: list[RankProcess], namespace: str, world_size: int, limits: list[int] | None = None
 ) -> None:
     for rank in range(world_size):
         limit = limits[rank] if limits else 64
@@ -141,7 +147,7 @@ def start_ranks(
                 group="g1",
                 rank=rank,
                 world_size=world_size,
-                directory=directory,
+                namespace=namespace,
                 limit_pages=limit,
             )
         )
@@ -149,15 +155,15 @@ def start_ranks(
         assert rank.expect() == "ready"
 
 
-def owner_pool(directory: str, world_size: int, timeout_s: float = TIMEOUT) -> KVPool:
-    ownership = CoordinatedOwnership("g1", world_size, socket_dir=directory, timeout_s=timeout_s)
+def owner_pool(namespace: str, world_size: int, timeout_s: float = TIMEOUT) -> KVPool:
+    ownership = CoordinatedOwnership("g1", world_size, namespace=namespace, timeout_s=timeout_s)
     return KVPool(GEOMETRY, None, ownership.group_lease(), ownership, reserve_pages=2)
 
 
-def test_local_ranks_map_their_own_null_page_once_and_send_nothing(socket_dir: str) -> None:
+def test_local_ranks_map_their_own_null_page_once_and_send_nothing(namespace: str) -> None:
     world_size = 4
     procs = [
-        RankProcess("local", group="g1", rank=r, world_size=world_size, directory=socket_dir)
+        RankProcess("local", group="g1", rank=r, world_size=world_size, namespace=namespace)
         for r in range(world_size)
     ]
     try:
@@ -172,14 +178,14 @@ def test_local_ranks_map_their_own_null_page_once_and_send_nothing(socket_dir: s
         assert result["max_maps_per_address"] >= 1
         assert result["sockets"] == 0  # no connection to any other rank
         assert 0 in result["mapped"]
-    assert os.listdir(socket_dir) == []  # nobody listened either
+    assert abstract_sockets(namespace) == []  # nobody listened either
 
 
 def test_coordinated_ranks_map_exactly_the_owners_pages(
-    ranks: list[RankProcess], socket_dir: str
+    ranks: list[RankProcess], namespace: str
 ) -> None:
-    start_ranks(ranks, socket_dir, world_size=4)
-    pool = owner_pool(socket_dir, 4)
+    start_ranks(ranks, namespace, world_size=4)
+    pool = owner_pool(namespace, 4)
     try:
         rng = random.Random(7)
         live: list[list[int]] = []
@@ -209,10 +215,10 @@ def test_coordinated_ranks_map_exactly_the_owners_pages(
 
 
 def test_the_smallest_rank_lease_bounds_the_group_and_a_reclaim_shrinks_every_rank(
-    ranks: list[RankProcess], socket_dir: str
+    ranks: list[RankProcess], namespace: str
 ) -> None:
-    start_ranks(ranks, socket_dir, world_size=2, limits=[12, 8])
-    pool = owner_pool(socket_dir, 2)
+    start_ranks(ranks, namespace, world_size=2, limits=[12, 8])
+    pool = owner_pool(namespace, 2)
     try:
         assert pool.snapshot().lease == 8 * PAGE_BYTES
         ids = pool.alloc(pool.available())
@@ -231,12 +237,12 @@ def test_the_smallest_rank_lease_bounds_the_group_and_a_reclaim_shrinks_every_ra
 
 
 def test_a_rank_hears_its_reclaim_is_in_force_only_once_the_owner_applies_it(
-    ranks: list[RankProcess], socket_dir: str
+    ranks: list[RankProcess], namespace: str
 ) -> None:
     """A rank acknowledges its broker's reclaim from the owner's reports; while the owner's
     scheduler holds its lease steady, those reports still carry the old lease."""
-    start_ranks(ranks, socket_dir, world_size=2, limits=[8, 8])
-    pool = owner_pool(socket_dir, 2)
+    start_ranks(ranks, namespace, world_size=2, limits=[8, 8])
+    pool = owner_pool(namespace, 2)
 
     def report_after(count: int) -> dict[str, Any]:
         deadline = time.monotonic() + TIMEOUT
@@ -263,10 +269,10 @@ def test_a_rank_hears_its_reclaim_is_in_force_only_once_the_owner_applies_it(
 
 
 def test_a_killed_rank_is_an_error_to_the_owner_within_the_timeout(
-    ranks: list[RankProcess], socket_dir: str
+    ranks: list[RankProcess], namespace: str
 ) -> None:
-    start_ranks(ranks, socket_dir, world_size=2)
-    pool = owner_pool(socket_dir, 2, timeout_s=5.0)
+    start_ranks(ranks, namespace, world_size=2)
+    pool = owner_pool(namespace, 2, timeout_s=5.0)
     try:
         assert pool.alloc(10)
         ranks[1].proc.kill()
@@ -281,10 +287,10 @@ def test_a_killed_rank_is_an_error_to_the_owner_within_the_timeout(
 
 
 def test_a_hung_rank_is_an_error_to_the_owner_after_the_timeout(
-    ranks: list[RankProcess], socket_dir: str
+    ranks: list[RankProcess], namespace: str
 ) -> None:
-    start_ranks(ranks, socket_dir, world_size=2)
-    pool = owner_pool(socket_dir, 2, timeout_s=2.0)
+    start_ranks(ranks, namespace, world_size=2)
+    pool = owner_pool(namespace, 2, timeout_s=2.0)
     try:
         pool.maintain()
         os.kill(ranks[0].proc.pid, signal.SIGSTOP)
@@ -300,12 +306,12 @@ def test_a_hung_rank_is_an_error_to_the_owner_after_the_timeout(
 
 
 def test_an_owner_with_another_geometry_or_size_is_refused(
-    ranks: list[RankProcess], socket_dir: str
+    ranks: list[RankProcess], namespace: str
 ) -> None:
-    start_ranks(ranks, socket_dir, world_size=2)
+    start_ranks(ranks, namespace, world_size=2)
     with pytest.raises(PeerError, match="is not listening"):
-        CoordinatedOwnership("g1", 3, socket_dir=socket_dir, connect_timeout_s=0.3)
-    ownership = CoordinatedOwnership("g1", 2, socket_dir=socket_dir)
+        CoordinatedOwnership("g1", 3, namespace=namespace, connect_timeout_s=0.3)
+    ownership = CoordinatedOwnership("g1", 2, namespace=namespace)
     other = type(GEOMETRY)(num_buffers=2, block_bytes=4096, num_blocks=400, page_size=16384)
     with pytest.raises(PoolError, match="differs from this rank's"):
         KVPool(other, None, ownership.group_lease(), ownership)

@@ -114,7 +114,7 @@ def run_coordinated(args: argparse.Namespace) -> None:
         group=args.group,
         rank=args.rank,
         world_size=args.world_size,
-        socket_dir=args.dir,
+        namespace=args.namespace,
     )
     print("ready", flush=True)
     for line in sys.stdin:
@@ -141,7 +141,7 @@ def main() -> None:
     parser.add_argument("--group", required=True)
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--world-size", type=int, required=True)
-    parser.add_argument("--dir", required=True)
+    parser.add_argument("--namespace", required=True)
     parser.add_argument("--limit-pages", type=int, default=64)
     args = parser.parse_args()
     if args.mode == "local":

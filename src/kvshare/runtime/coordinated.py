@@ -106,8 +106,9 @@ class _RankLink:
                 sock.close()
                 if time.monotonic() > deadline:
                     raise PeerError(
-                        f"rank {self.rank} is not listening on {self.path} after {timeout_s:g} s "
-                        f"({exc.strerror}); start every rank's RankServer before the owner's pool"
+                        f"rank {self.rank} is not listening on @{self.path[1:]} after "
+                        f"{timeout_s:g} s ({exc.strerror}); start every rank's RankServer "
+                        "before the owner's pool"
                     ) from None
                 time.sleep(0.05)
             else:
@@ -182,7 +183,7 @@ class _RankLink:
         with self._lock:
             if self._dead is not None:
                 return
-            self._dead = PeerError(f"rank {self.rank} ({self.path}): {reason}")
+            self._dead = PeerError(f"rank {self.rank} (@{self.path[1:]}): {reason}")
             pending, self._pending = list(self._pending.values()), {}
             closing = self._closing
         for waiter in pending:
@@ -327,7 +328,7 @@ class CoordinatedOwnership(Ownership):
         group: str,
         world_size: int,
         *,
-        socket_dir: str | None = None,
+        namespace: str | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         connect_timeout_s: float = DEFAULT_TIMEOUT_S,
     ) -> None:
@@ -339,7 +340,7 @@ class CoordinatedOwnership(Ownership):
         self.links: list[_RankLink] = []
         self._lease = GroupLease(self.links, world_size)
         self._closed = False
-        paths = [rank_socket_path(group, rank, socket_dir) for rank in range(world_size)]
+        paths = [rank_socket_path(group, rank, namespace) for rank in range(world_size)]
         try:
             for rank, path in enumerate(paths):
                 self.links.append(

@@ -1,7 +1,10 @@
 """Messages between the owner of a coordinated tensor-parallel group and its ranks.
 
-Each rank listens on its own unix socket (:func:`rank_socket_path`); the owner connects to
-every rank. A frame is a 4-byte big-endian length and a UTF-8 JSON object, at most
+Each rank listens on its own unix socket (:func:`rank_socket_path`), in Linux's abstract
+namespace: no file on disk, so a rank that dies (SIGTERM before its pools close, SIGKILL)
+leaves nothing behind and a new rank can take the name at once. The owner connects to
+every rank; a rank serves only an owner running as its own user (``SO_PEERCRED``), as a
+file mode of 0600 would. A frame is a 4-byte big-endian length and a UTF-8 JSON object, at most
 :data:`MAX_FRAME` bytes. Requests carry an ``id`` and get exactly one reply with the same
 ``id``: ``{"id", "ok": true, ...}`` or ``{"id", "ok": false, "kind", "message"}``.
 Notifications have no ``id`` and no reply (``want``/``report`` to a rank, ``limit`` from a
@@ -11,11 +14,9 @@ rank). Anything else is a :class:`ProtocolError` and ends that connection.
 from __future__ import annotations
 
 import json
-import os
 import re
 import socket
 import struct
-import tempfile
 from typing import Any
 
 from kvshare.runtime.errors import PeerError, PoolError
@@ -23,6 +24,7 @@ from kvshare.runtime.errors import PeerError, PoolError
 __all__ = [
     "MAX_FRAME",
     "ProtocolError",
+    "peer_uid",
     "rank_socket_path",
     "read_frame",
     "write_frame",
@@ -41,19 +43,28 @@ class ProtocolError(PeerError):
     """A peer sent a frame that is not a valid message."""
 
 
-def rank_socket_path(group: str, rank: int, directory: str | None = None) -> str:
-    """The unix socket rank ``rank`` of ``group`` listens on."""
+def rank_socket_path(group: str, rank: int, namespace: str | None = None) -> str:
+    """The abstract unix socket address (a leading NUL) rank ``rank`` of ``group`` listens
+    on; ``namespace`` keeps groups of separate runs apart (tests)."""
     if not _GROUP.match(group):
         raise PoolError(
             f"tensor-parallel group name {group!r} must be 1-64 letters, digits, '.', '_' or '-'"
         )
-    path = os.path.join(directory or tempfile.gettempdir(), f"kvshare-{group}-r{rank}.sock")
-    if len(path.encode()) > _UNIX_PATH_MAX:
+    prefix = f"{namespace}/" if namespace else ""
+    address = f"\0{prefix}kvshare-{group}-r{rank}"
+    if len(address.encode()) > _UNIX_PATH_MAX:
         raise PoolError(
-            f"socket path {path!r} is longer than a unix socket allows ({_UNIX_PATH_MAX} "
-            "bytes); use a shorter socket directory or group name"
+            f"socket address {address[1:]!r} is longer than a unix socket allows "
+            f"({_UNIX_PATH_MAX} bytes); use a shorter namespace or group name"
         )
-    return path
+    return address
+
+
+def peer_uid(conn: socket.socket) -> int:
+    """The user id of the process at the other end of a unix socket (``SO_PEERCRED``)."""
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    _pid, uid, _gid = struct.unpack("3i", creds)
+    return int(uid)
 
 
 def write_frame(sock: socket.socket, message: dict[str, Any]) -> None:

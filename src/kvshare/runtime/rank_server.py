@@ -24,10 +24,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import logging
 import os
 import socket
-import stat
 import threading
 from typing import TYPE_CHECKING, Any
 
@@ -45,6 +45,7 @@ from kvshare.runtime.pages import PageSpace
 from kvshare.runtime.peer_protocol import (
     PAGE_OPS,
     ProtocolError,
+    peer_uid,
     rank_socket_path,
     read_frame,
     write_frame,
@@ -81,7 +82,7 @@ class RankServer:
         group: str,
         rank: int,
         world_size: int,
-        socket_dir: str | None = None,
+        namespace: str | None = None,
     ) -> None:
         check_rank(rank, world_size)
         self.geometry = geometry
@@ -90,7 +91,7 @@ class RankServer:
         self.group = group
         self.rank = rank
         self.world_size = world_size
-        self.path = rank_socket_path(group, rank, socket_dir)
+        self.path = rank_socket_path(group, rank, namespace)
         self.space = PageSpace(geometry, backend)
         self._send_lock = threading.Lock()  # guards _owner and writes to it
         self._owner: socket.socket | None = None
@@ -105,25 +106,20 @@ class RankServer:
             target=self._accept_loop, name=f"kvshare-rank-{rank}", daemon=True
         )
         self._thread.start()
-        log.info("rank %d/%d of group %s listens on %s", rank, world_size, group, self.path)
+        log.info("rank %d/%d of group %s listens on @%s", rank, world_size, group, self.path[1:])
 
     def _listen(self) -> socket.socket:
-        with contextlib.suppress(FileNotFoundError):
-            if stat.S_ISSOCK(os.stat(self.path).st_mode):
-                probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                try:
-                    probe.connect(self.path)
-                except OSError:
-                    os.unlink(self.path)  # left behind by a process that is gone
-                else:
-                    probe.close()
-                    raise PoolError(
-                        f"{self.path} is in use by another live rank {self.rank} of group "
-                        f"{self.group}; every rank of a group needs its own rank number"
-                    )
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        listener.bind(self.path)
-        os.chmod(self.path, 0o600)
+        try:
+            listener.bind(self.path)
+        except OSError as exc:
+            listener.close()
+            if exc.errno != errno.EADDRINUSE:
+                raise
+            raise PoolError(
+                f"{self.path[1:]} is in use by another live rank {self.rank} of group "
+                f"{self.group}; every rank of a group needs its own rank number"
+            ) from None
         listener.listen(4)
         return listener
 
@@ -178,6 +174,10 @@ class RankServer:
                 conn, _ = self._listener.accept()
             except OSError:
                 break  # the listener was closed
+            if peer_uid(conn) != os.getuid():
+                log.warning("rank %d: refused an owner running as another user", self.rank)
+                conn.close()
+                continue
             with self._send_lock:
                 self._owner = conn
             try:
@@ -283,8 +283,6 @@ class RankServer:
             with contextlib.suppress(OSError):
                 owner.shutdown(socket.SHUT_RDWR)
         self._thread.join(timeout=30)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
         self.space.close()
         self.lease.close()
         self.backend.close()
