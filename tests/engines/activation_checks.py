@@ -37,11 +37,18 @@ def resolve(target):
     for part in target.attribute.split("."):
         owner = getattr(owner, part)
     return owner
+patched = [is_patched(resolve(t)) for t in patches.targets]
+# Deferred sets wait for the engine to import their trigger; import it as the engine would.
+triggers_loaded = [d.trigger in sys.modules for d in patches.deferred]
+for deferred in patches.deferred:
+    importlib.import_module(deferred.trigger)
 print(json.dumps({{
     "kvshare": kvshare.__file__,
     "activation_loaded": activation_loaded,
     "activated": sorted(activated_lines()),
-    "patched": [is_patched(resolve(t)) for t in patches.targets],
+    "patched": patched,
+    "triggers_loaded": triggers_loaded,
+    "deferred": [is_patched(resolve(t)) for d in patches.deferred for t in d.patches.targets],
     "chained": __import__("os").environ.get("CHAINED_SITECUSTOMIZE"),
 }}))
 """
@@ -101,6 +108,11 @@ def test_enabled_bundle_on_pythonpath_patches_the_engine_and_chains_the_image_ho
     assert found["activated"] == [line.engine]
     assert found["patched"] and all(found["patched"])  # type: ignore[arg-type]
     assert found["chained"] == "ran"
+    # kvshare itself never imports a deferred set's module; the engine's import patches it.
+    assert not any(found["triggers_loaded"])  # type: ignore[arg-type]
+    assert all(found["deferred"])  # type: ignore[arg-type]
+    if line.engine == "vllm":
+        assert found["deferred"], "every vLLM line patches its CPU worker"
 
 
 def test_disabled_bundle_touches_nothing(line: SupportedLine, tmp_path: Path) -> None:

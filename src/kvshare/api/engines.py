@@ -93,6 +93,7 @@ def _padded(release: tuple[int, ...]) -> tuple[int, ...]:
 #: Every supported engine line, newest first within an engine.
 SUPPORTED: tuple[SupportedLine, ...] = (
     SupportedLine("vllm", "0.33.0", "0.34", "vllm_v0_33", "0.33.0", "coordinated"),
+    SupportedLine("vllm", "0.32.0", "0.33", "vllm_v0_32", "0.32.0", "coordinated"),
     SupportedLine("vllm", "0.30.0", "0.31", "vllm_v0_30", "0.30.0", "coordinated"),
     SupportedLine("sglang", "0.5.23", "0.5.24", "sglang_v0_5_23", "0.5.23", "local"),
     SupportedLine("sglang", "0.5.20", "0.5.21", "sglang_v0_5_20", "0.5.20", "local"),

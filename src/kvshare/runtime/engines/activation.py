@@ -7,7 +7,9 @@
 executed, it looks the installed version up in the support table, imports the line's
 patch module and applies its patches. An unsupported version or a moved target makes the
 engine's import fail, naming the version: an engine never serves without kvshare when
-kvshare was asked for.
+kvshare was asked for. A line's deferred sets (:class:`~.patching.Deferred`) wait for the
+engine to import their trigger module, and the hook applies them right after it has run
+(or at once, when it already has).
 """
 
 from __future__ import annotations
@@ -25,14 +27,17 @@ from typing import Any
 
 from kvshare.api import env
 from kvshare.api.engines import ENGINES, SupportedLine
+from kvshare.runtime.engines.patching import Deferred
 from kvshare.runtime.engines.registry import patches_for
 
 log = logging.getLogger(__name__)
 
 __all__ = ["EngineImportHook", "activated_lines", "engine_version", "install", "install_from_env"]
 
-_lock = threading.Lock()  # guards _activated
+_lock = threading.Lock()  # guards _activated and _pending
 _activated: dict[str, SupportedLine] = {}
+#: Trigger module -> the deferred set waiting for the engine to import it, and the version.
+_pending: dict[str, tuple[Deferred, str]] = {}
 
 
 def engine_version(engine: str, module: ModuleType | None = None) -> str:
@@ -53,7 +58,28 @@ def activate(engine: str, module: ModuleType | None = None) -> SupportedLine:
     patches.apply(version)
     with _lock:
         _activated[engine] = line
+    for deferred in patches.deferred:
+        _defer(deferred, version)
     return line
+
+
+def _defer(deferred: Deferred, version: str) -> None:
+    """Apply ``deferred`` now if the engine has imported its trigger, else when it does."""
+    if deferred.trigger in sys.modules:
+        deferred.patches.apply(version)
+        return
+    with _lock:
+        _pending[deferred.trigger] = (deferred, version)
+    if not any(isinstance(finder, EngineImportHook) for finder in sys.meta_path):
+        sys.meta_path.insert(0, EngineImportHook())
+
+
+def _apply_deferred(trigger: str) -> None:
+    with _lock:
+        waiting = _pending.pop(trigger, None)
+    if waiting is not None:
+        deferred, version = waiting
+        deferred.patches.apply(version)
 
 
 def activated_lines() -> dict[str, SupportedLine]:
@@ -63,18 +89,22 @@ def activated_lines() -> dict[str, SupportedLine]:
 
 
 class _PatchingLoader(importlib.abc.Loader):
-    """Runs the engine package's own loader, then applies kvshare's patches."""
+    """Runs a module's own loader, then applies kvshare's patches: an engine package's
+    line, or a deferred set waiting for this module."""
 
-    def __init__(self, inner: importlib.abc.Loader, engine: str) -> None:
+    def __init__(self, inner: importlib.abc.Loader, name: str) -> None:
         self._inner = inner
-        self._engine = engine
+        self._name = name
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
         return self._inner.create_module(spec)
 
     def exec_module(self, module: ModuleType) -> None:
         self._inner.exec_module(module)
-        activate(self._engine, module)
+        if self._name in ENGINES:
+            activate(self._name, module)
+        else:
+            _apply_deferred(self._name)
 
     def __getattr__(self, name: str) -> Any:
         # Resource readers, get_data, is_package ... come from the wrapped loader.
@@ -82,7 +112,8 @@ class _PatchingLoader(importlib.abc.Loader):
 
 
 class EngineImportHook(importlib.abc.MetaPathFinder):
-    """Finds ``vllm``/``sglang`` through the other finders and wraps their loader."""
+    """Finds ``vllm``/``sglang`` (and the triggers of deferred sets) through the other
+    finders and wraps their loader."""
 
     def __init__(self, engines: Sequence[str] = ENGINES) -> None:
         self._engines = frozenset(engines)
@@ -94,7 +125,9 @@ class EngineImportHook(importlib.abc.MetaPathFinder):
         target: ModuleType | None = None,
     ) -> importlib.machinery.ModuleSpec | None:
         if fullname not in self._engines:
-            return None
+            with _lock:
+                if fullname not in _pending:
+                    return None
         for finder in sys.meta_path:
             if finder is self or isinstance(finder, EngineImportHook):
                 continue

@@ -22,7 +22,9 @@ def patch_table() -> str:
     rows = ["| engine | target | change | lines |", "|---|---|---|---|"]
     seen: dict[tuple[str, str], tuple[str, list[str]]] = {}
     for line in SUPPORTED:
-        for patch in patch_set(line).patches:
+        patches = patch_set(line)
+        every = [*patches.patches, *(p for d in patches.deferred for p in d.patches.patches)]
+        for patch in every:
             key = (line.engine, str(patch.target))
             why, lines = seen.setdefault(key, (patch.why, []))
             lines.append(line.label)

@@ -5,6 +5,10 @@ to build the replacement from the original. A :class:`PatchSet` imports every ta
 checks that each exists with the expected parameters, and only then replaces them all:
 an engine is either fully patched or not touched, and a target that moved fails start-up
 with a :class:`PatchTargetError` naming the engine version and the target.
+
+A :class:`Deferred` set is applied only when the engine itself imports its trigger module:
+for code kvshare must not import on its own (vLLM's CPU worker reconfigures torch for the
+CPU platform as it is imported), and that only some platforms run.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Patch", "PatchSet", "PatchTargetError", "Target", "is_patched"]
+__all__ = ["Deferred", "Patch", "PatchSet", "PatchTargetError", "Target", "is_patched"]
 
 AnyCallable = Callable[..., Any]
 #: Builds the replacement from the original callable.
@@ -116,12 +120,15 @@ class PatchSet:
         line: str,
         patches: Sequence[Patch],
         requires: Sequence[Target] = (),
+        deferred: Sequence[Deferred] = (),
     ) -> None:
         self.engine = engine
         self.line = line
         self.patches = tuple(patches)
         self.requires = tuple(requires)
         """Engine functions the patches call or rely on without replacing them."""
+        self.deferred = tuple(deferred)
+        """Sets applied when the engine imports their trigger (see :class:`Deferred`)."""
         self._lock = threading.Lock()  # guards _applied: imports may race across threads
         self._applied: list[_Resolved] = []
 
@@ -181,3 +188,15 @@ class PatchSet:
     def applied(self) -> bool:
         """Whether :meth:`apply` has run in this process."""
         return bool(self._applied)
+
+
+@dataclass(frozen=True)
+class Deferred:
+    """Patches of a module that only the engine may import, applied when it does.
+
+    ``trigger`` is the module whose import (by the engine) applies ``patches``; every
+    target of ``patches`` lives in it or in modules it imports.
+    """
+
+    trigger: str
+    patches: PatchSet

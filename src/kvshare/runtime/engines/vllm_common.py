@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from kvshare.runtime.engines import pools
-from kvshare.runtime.engines.patching import AnyCallable, Patch, PatchSet, Target
+from kvshare.runtime.engines.patching import AnyCallable, Deferred, Patch, PatchSet, Target
 from kvshare.runtime.engines.pools import EngineConfigError, Role
 from kvshare.runtime.engines.vllm_blocks import (
     attach,
@@ -190,22 +190,30 @@ def scheduler_context(group: Group, layout: Any) -> Iterator[None]:
 _TURN_ATTRIBUTE = "_kvshare_startup_turn"
 
 
+def hold_startup_turn(
+    worker: Any, vllm_config: Any, local_rank: int, start: Callable[[], object]
+) -> None:
+    """Take the GPU's start-up turn, then run ``start``; the worker holds the turn until
+    its KV cache exists (:func:`in_worker_group`), or gives it back if ``start`` fails."""
+    group = group_of(vllm_config)
+    turn = contextlib.ExitStack()
+    turn.enter_context(
+        pools.startup_turn(Role(ENGINE, int(local_rank), group.world_size, "coordinated"))
+    )
+    try:
+        start()
+    except BaseException:
+        turn.close()
+        raise
+    setattr(worker, _TURN_ATTRIBUTE, turn)
+
+
 def taking_the_startup_turn(original: AnyCallable) -> AnyCallable:
     """Wrapper for ``Worker.init_device``: the GPU's start-up turn is held from here (vLLM
     checks free memory first, then loads weights and profiles) until the KV cache exists."""
 
     def init_device(self: Any) -> None:
-        group = group_of(self.vllm_config)
-        turn = contextlib.ExitStack()
-        turn.enter_context(
-            pools.startup_turn(Role(ENGINE, int(self.local_rank), group.world_size, "coordinated"))
-        )
-        setattr(self, _TURN_ATTRIBUTE, turn)
-        try:
-            original(self)
-        except BaseException:
-            turn.close()
-            raise
+        hold_startup_turn(self, self.vllm_config, self.local_rank, lambda: original(self))
 
     return init_device
 
@@ -418,9 +426,11 @@ def vllm_patch_set(
     coordinator_parameters: tuple[str, ...],
     block_pool_parameters: tuple[str, ...],
     kernel_block_size: KernelBlockSize,
+    deferred: tuple[Deferred, ...] = (),
 ) -> PatchSet:
     """The patches of one vLLM line. The lines keep the targets in the same places; they
-    differ in constructor parameters and in how a tensor's kernel block size is chosen."""
+    differ in constructor parameters and in how a tensor's kernel block size is chosen.
+    ``deferred``: sets applied when vLLM imports their module (its CPU worker)."""
     block_pool = f"{_CORE}.block_pool"
     scheduler = f"{_CORE}.sched.scheduler"
     patches = [
@@ -501,4 +511,4 @@ def vllm_patch_set(
             ("raw", "spec", "num_blocks", "layout", "kv_cache_tensor", "kernel_block_size"),
         ),
     ]
-    return PatchSet(ENGINE, line, patches, requires)
+    return PatchSet(ENGINE, line, patches, requires, deferred)

@@ -14,6 +14,7 @@ from kvshare.runtime.engines.vllm_common import (
     group_kernel_block_size,
     vllm_patch_set,
 )
+from kvshare.runtime.engines.vllm_cpu_worker import cpu_worker_patches
 
 
 def _kernel_block_size(
@@ -32,4 +33,5 @@ PATCHES = vllm_patch_set(
     coordinator_parameters=COORDINATOR_PARAMETERS,
     block_pool_parameters=(*BLOCK_POOL_PARAMETERS, "medium"),
     kernel_block_size=_kernel_block_size,
+    deferred=(cpu_worker_patches("0.30.x"),),
 )

@@ -11,10 +11,12 @@ from kvshare.runtime.engines.vllm_common import (
     group_kernel_block_size,
     vllm_patch_set,
 )
+from kvshare.runtime.engines.vllm_cpu_worker import cpu_worker_patches
 
 PATCHES = vllm_patch_set(
     "0.33.x",
     coordinator_parameters=(*COORDINATOR_PARAMETERS, "num_hash_lookahead_tokens"),
     block_pool_parameters=(*BLOCK_POOL_PARAMETERS, "num_hash_lookahead_tokens", "medium"),
     kernel_block_size=group_kernel_block_size,
+    deferred=(cpu_worker_patches("0.33.x"),),
 )
