@@ -363,3 +363,21 @@ def test_threads_allocating_freeing_and_moving_the_lease_never_share_a_block(
     snap = pool.snapshot()
     assert snap.used_blocks == len(owners)
     assert sum(host(pool).mapped_ranges().values()) == snap.mapped
+
+
+def test_an_engine_short_of_blocks_makes_the_pool_ask_for_lease_without_an_alloc(
+    make_pool: PoolFactory,
+) -> None:
+    # vLLM compares what a request needs with available() and, when it is short, does not
+    # call alloc at all: the pool must still ask for the lease it lacks.
+    lease = MovableLease(2 * PAGE_BYTES)
+    pool = make_pool(GEOMETRY, lease, reserve_pages=0, lease_chunk_bytes=PAGE_BYTES)
+    held = pool.alloc(pool.available())
+    assert held and pool.available() == 0
+    pool.short_of(20)  # more than one page of 16 blocks
+    assert lease.wants == [4 * PAGE_BYTES]  # both pages held, two more for 20 blocks
+    pool.short_of(20)
+    assert lease.wants == [4 * PAGE_BYTES]  # asked once for that much
+    lease.set_limit(PAGE_BYTES)  # a reclaim: shrinking, the pool asks for nothing
+    pool.short_of(20)
+    assert lease.wants == [4 * PAGE_BYTES]

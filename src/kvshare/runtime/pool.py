@@ -518,6 +518,23 @@ class KVPool:
             )
         return f"block {block} is not allocated (freed twice?); nothing was freed"
 
+    def short_of(self, blocks: int) -> None:
+        """The engine held work back for want of ``blocks`` more blocks without asking
+        :meth:`alloc` (it compared them with :meth:`available` first): ask the lease source
+        for room for them, as an allocation it could not serve would. Never blocks."""
+        with self._lock:
+            if self._closed or self._held_pages > self._limit_pages:
+                return  # shrinking: the broker asked for memory back
+            free = self._free_partial + self._ready_blocks
+            if blocks <= free:
+                return
+            wanted = (
+                self._held_pages
+                + -(-(blocks - free) // max(1, self._min_cap))
+                + self._reserve_pages
+            )
+        self._want(wanted)
+
     def available(self) -> int:
         """Blocks :meth:`alloc` could hand out right now, growing within the lease."""
         with self._lock:

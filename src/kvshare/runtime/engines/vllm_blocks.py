@@ -38,6 +38,7 @@ __all__ = [
     "holding_block_pool_lock",
     "queue_of",
     "resetting_through_pool",
+    "signalling_shortfall",
     "usage_of_held_memory",
 ]
 
@@ -216,6 +217,27 @@ def resetting_through_pool(original: AnyCallable) -> AnyCallable:
             return done  # type: ignore[no-any-return]
 
     return reset_prefix_cache
+
+
+def signalling_shortfall(original: AnyCallable) -> AnyCallable:
+    """Wrapper for ``KVCacheManager.allocate_slots``: vLLM compares the blocks a request
+    needs with the free count and returns ``None`` without asking the free queue; the pool
+    then hears of the shortfall and asks for more lease, as an allocation it could not serve
+    would (a pool reclaimed to its minimum would otherwise never grow again while vLLM only
+    ever takes what it sees free)."""
+
+    def allocate_slots(
+        self: Any, request: Any, num_new_tokens: int, *args: Any, **kwargs: Any
+    ) -> Any:
+        blocks = original(self, request, num_new_tokens, *args, **kwargs)
+        if blocks is None:
+            queue = queue_of(self.block_pool)
+            if queue is not None:
+                tokens = int(self.kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size)
+                queue.pool.short_of(-(-max(1, int(num_new_tokens)) // tokens) + 1)
+        return blocks
+
+    return allocate_slots
 
 
 def usage_of_held_memory(original: AnyCallable) -> AnyCallable:

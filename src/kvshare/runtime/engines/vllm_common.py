@@ -43,6 +43,7 @@ from kvshare.runtime.engines.vllm_blocks import (
     attach,
     holding_block_pool_lock,
     resetting_through_pool,
+    signalling_shortfall,
     usage_of_held_memory,
 )
 
@@ -399,6 +400,21 @@ COORDINATOR_PARAMETERS = (
     "metrics_collector",
     "num_prefill_lookahead",
 )
+#: ``KVCacheManager.allocate_slots`` parameters every supported line shares.
+ALLOCATE_SLOTS_PARAMETERS = (
+    "self",
+    "request",
+    "num_new_tokens",
+    "num_new_computed_tokens",
+    "new_computed_blocks",
+    "num_lookahead_tokens",
+    "num_external_computed_tokens",
+    "delay_cache_blocks",
+    "num_encoder_tokens",
+    "full_sequence_must_fit",
+    "reserved_blocks",
+    "has_scheduled_reqs",
+)
 BLOCK_POOL_PARAMETERS = (
     "self",
     "num_gpu_blocks",
@@ -426,11 +442,13 @@ def vllm_patch_set(
     coordinator_parameters: tuple[str, ...],
     block_pool_parameters: tuple[str, ...],
     kernel_block_size: KernelBlockSize,
+    allocate_slots_parameters: tuple[str, ...],
     deferred: tuple[Deferred, ...] = (),
 ) -> PatchSet:
     """The patches of one vLLM line. The lines keep the targets in the same places; they
-    differ in constructor parameters and in how a tensor's kernel block size is chosen.
-    ``deferred``: sets applied when vLLM imports their module (its CPU worker)."""
+    differ in constructor and ``allocate_slots`` parameters and in how a tensor's kernel
+    block size is chosen. ``deferred``: sets applied when vLLM imports their module (its
+    CPU worker)."""
     block_pool = f"{_CORE}.block_pool"
     scheduler = f"{_CORE}.sched.scheduler"
     patches = [
@@ -485,6 +503,15 @@ def vllm_patch_set(
                 ("schedule", ("self", "throttle_prefills")),
                 ("update_from_output", ("self", "scheduler_output", "model_runner_output")),
             )
+        ),
+        Patch(
+            Target(
+                f"{_CORE}.kv_cache_manager",
+                "KVCacheManager.allocate_slots",
+                allocate_slots_parameters,
+            ),
+            signalling_shortfall,
+            "a request held back for want of free blocks asks the pool for more lease",
         ),
         Patch(
             Target(block_pool, "BlockPool.reset_prefix_cache", ("self",)),

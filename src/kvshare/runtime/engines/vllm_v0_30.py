@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvshare.runtime.engines.vllm_common import (
+    ALLOCATE_SLOTS_PARAMETERS,
     BLOCK_POOL_PARAMETERS,
     COORDINATOR_PARAMETERS,
     group_kernel_block_size,
@@ -33,5 +34,6 @@ PATCHES = vllm_patch_set(
     coordinator_parameters=COORDINATOR_PARAMETERS,
     block_pool_parameters=(*BLOCK_POOL_PARAMETERS, "medium"),
     kernel_block_size=_kernel_block_size,
+    allocate_slots_parameters=ALLOCATE_SLOTS_PARAMETERS,
     deferred=(cpu_worker_patches("0.30.x"),),
 )

@@ -7,6 +7,7 @@ The constructor parameters of 0.30.x (no hash look-ahead) with the kernel block 
 from __future__ import annotations
 
 from kvshare.runtime.engines.vllm_common import (
+    ALLOCATE_SLOTS_PARAMETERS,
     BLOCK_POOL_PARAMETERS,
     COORDINATOR_PARAMETERS,
     group_kernel_block_size,
@@ -19,5 +20,6 @@ PATCHES = vllm_patch_set(
     coordinator_parameters=COORDINATOR_PARAMETERS,
     block_pool_parameters=(*BLOCK_POOL_PARAMETERS, "medium"),
     kernel_block_size=group_kernel_block_size,
+    allocate_slots_parameters=(*ALLOCATE_SLOTS_PARAMETERS, "skip_zeroing_group_ids"),
     deferred=(cpu_worker_patches("0.32.x"),),
 )

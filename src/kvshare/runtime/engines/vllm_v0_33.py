@@ -6,6 +6,7 @@ Differs from 0.30.x in constructor parameters: block hashes look ahead past each
 from __future__ import annotations
 
 from kvshare.runtime.engines.vllm_common import (
+    ALLOCATE_SLOTS_PARAMETERS,
     BLOCK_POOL_PARAMETERS,
     COORDINATOR_PARAMETERS,
     group_kernel_block_size,
@@ -18,5 +19,6 @@ PATCHES = vllm_patch_set(
     coordinator_parameters=(*COORDINATOR_PARAMETERS, "num_hash_lookahead_tokens"),
     block_pool_parameters=(*BLOCK_POOL_PARAMETERS, "num_hash_lookahead_tokens", "medium"),
     kernel_block_size=group_kernel_block_size,
+    allocate_slots_parameters=(*ALLOCATE_SLOTS_PARAMETERS, "skip_zeroing_group_ids"),
     deferred=(cpu_worker_patches("0.33.x"),),
 )
