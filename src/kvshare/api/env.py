@@ -180,6 +180,14 @@ RESERVE_PAGES = EnvVar(
     _non_negative_int,
     "runtime",
 )
+LEASE_CHUNK = EnvVar(
+    "KVSHARE_LEASE_CHUNK",
+    None,
+    "lease an engine's pool asks the broker for at a time (its growth step; unset: 256Mi); "
+    "a GPU far smaller than a datacenter one wants a smaller step",
+    _bytes,
+    "runtime",
+)
 STARTUP_TIMEOUT = EnvVar(
     "KVSHARE_STARTUP_TIMEOUT",
     "600",
@@ -231,6 +239,7 @@ ALL: tuple[EnvVar[object], ...] = (
     PAGE_SIZE,
     LAYOUT,
     RESERVE_PAGES,
+    LEASE_CHUNK,
     STARTUP_TIMEOUT,
     POD_NAMESPACE,
     POD_NAME,

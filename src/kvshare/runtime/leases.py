@@ -58,6 +58,7 @@ def lease_from_env(
             policy=PoolPolicy.from_env(environ),
             identity=PoolIdentity.from_env(environ, rank=rank, tp_size=tp_size, engine=engine),
             socket_path=socket_path,
+            chunk_bytes=env.LEASE_CHUNK.read(environ),
         )
     limit = env.KV_LIMIT.read(environ)
     if limit is not None:

@@ -143,6 +143,13 @@ def _granted_gpu_total(rank: int) -> int:
         return _gpu_totals.get(gpu_for_rank(rank), 0)
 
 
+def _lease_chunk() -> int:
+    from kvshare.runtime.pool import DEFAULT_LEASE_CHUNK_BYTES
+
+    chunk = env.LEASE_CHUNK.read()
+    return DEFAULT_LEASE_CHUNK_BYTES if chunk is None else chunk
+
+
 def _backend_kind() -> BackendKind:
     return cast("BackendKind", env.BACKEND.require())
 
@@ -193,6 +200,7 @@ def open_local_pool(
         lease,
         LocalOwnership(role.rank, role.world_size),
         reserve_pages=env.RESERVE_PAGES.require(),
+        lease_chunk_bytes=_lease_chunk(),
     )
     _remember(pool)
     log.info(
@@ -235,6 +243,7 @@ def open_owner_pool(geometry: KVGeometry, group: str, world_size: int) -> KVPool
             ownership.group_lease(),
             ownership,
             reserve_pages=env.RESERVE_PAGES.require(),
+            lease_chunk_bytes=_lease_chunk(),
         )
     except BaseException:
         ownership.close()
