@@ -1077,6 +1077,12 @@ class Books:
         gpu.min_sum -= turn.reserved_min
         gpu.charged -= turn.reserved_min
         gpu.turn = None
+        log.info(
+            "start-up turn on GPU %d back from pid %d after %.2f s",
+            gpu.info.index,
+            turn.waiter.pid,
+            now - turn.granted_at,
+        )
         return self._serve(gpu, now)
 
     # --- administration -----------------------------------------------------------------
