@@ -22,11 +22,14 @@ from kvshare.demo.serving.vllm_server import MODEL_NAME
 __all__ = [
     "Completion",
     "CompletionError",
+    "MetricSample",
     "StreamedCompletion",
     "complete",
-    "metric_values",
+    "labels_of",
     "post",
+    "scrape",
     "stream_complete",
+    "total",
 ]
 
 
@@ -169,15 +172,37 @@ def stream_complete(
     return StreamedCompletion(200, tuple(tokens), ttft, time.monotonic() - started, False)
 
 
-def metric_values(url: str, timeout_s: float = 5.0) -> dict[str, float]:
-    """The server's ``/metrics``, as ``name{label="value",...}`` -> value (labels sorted)."""
+@dataclass(frozen=True)
+class MetricSample:
+    """One sample of a Prometheus text page."""
+
+    name: str
+    labels: dict[str, str]
+    value: float
+
+
+def scrape(url: str, timeout_s: float = 5.0) -> list[MetricSample]:
+    """Every sample of the Prometheus page at ``url`` (``/metrics`` of a server or agent)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    with urllib.request.urlopen(f"{url}/metrics", timeout=timeout_s) as response:
+    with urllib.request.urlopen(url, timeout=timeout_s) as response:
         text = response.read().decode()
-    values: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
-            values[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
-    return values
+    return [
+        MetricSample(sample.name, dict(sample.labels), float(sample.value))
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    ]
+
+
+def total(samples: Sequence[MetricSample], name: str, **labels: str) -> float:
+    """The sum of the samples named ``name`` whose labels include ``labels``."""
+    return sum(
+        s.value
+        for s in samples
+        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+    )
+
+
+def labels_of(samples: Sequence[MetricSample], name: str) -> dict[str, str]:
+    """The labels of the first sample named ``name`` (an ``_info`` metric), or ``{}``."""
+    return next((s.labels for s in samples if s.name == name), {})

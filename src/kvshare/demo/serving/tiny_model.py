@@ -7,9 +7,13 @@ Run inside a serving environment (it needs torch, tokenizers and safetensors)::
 What it writes, and why:
 
 - ``config.json``: ``LlamaForCausalLM``, hidden 256, 4 layers, 4 attention heads, 2 KV heads
-  (grouped-query attention, as production models), head dim 64, vocabulary 4096, bf16.
+  (grouped-query attention, as production models), head dim 64, vocabulary 4096, float32.
   About 5 M parameters: a decode step costs about a millisecond, so the KV cache, not the
-  arithmetic, is what a burst of requests runs out of.
+  arithmetic, is what a burst of requests runs out of. float32, not bf16: in bf16 a request
+  that vLLM preempts and recomputes (its prompt and output prefilled at once instead of
+  decoded token by token) changes some of its greedy tokens, even in plain vLLM from one
+  run to the next; in float32 the tokens do not depend on batching or preemption, so a
+  test can ask a preempted request for exactly the tokens it gets alone.
 - ``tokenizer.json``: a byte-level BPE trained here on the Python sources of ``torch.nn``
   (pinned with torch by the serving environment's requirements, so every build trains on
   the same text). Byte-level: any prompt encodes, nothing maps to an unknown token.
@@ -64,7 +68,7 @@ def config() -> dict[str, Any]:
         "tie_word_embeddings": False,
         "bos_token_id": 0,
         "eos_token_id": 1,
-        "torch_dtype": "bfloat16",
+        "torch_dtype": "float32",
     }
 
 
@@ -100,11 +104,10 @@ def weights() -> dict[str, Any]:
     generator = torch.Generator().manual_seed(SEED)
 
     def normal(*shape: int) -> torch.Tensor:
-        values = torch.randn(*shape, generator=generator, dtype=torch.float32) * WEIGHT_STD
-        return values.to(torch.bfloat16)
+        return torch.randn(*shape, generator=generator, dtype=torch.float32) * WEIGHT_STD
 
     def ones(size: int) -> torch.Tensor:
-        return torch.ones(size, dtype=torch.bfloat16)
+        return torch.ones(size, dtype=torch.float32)
 
     tensors = {"model.embed_tokens.weight": normal(VOCAB, HIDDEN)}
     for layer in range(LAYERS):

@@ -44,6 +44,7 @@ __all__ = [
     "ServerError",
     "ServerOptions",
     "VllmServer",
+    "alive",
     "descendants",
     "free_port",
     "kvshare_runtime_path",
@@ -107,7 +108,8 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, which holds no memory or files, does not)."""
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
@@ -136,6 +138,8 @@ class ServerOptions:
     max_model_len: int = 2048
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 2048
+    dtype: str = "float32"
+    """The tiny model's own dtype (see :mod:`.tiny_model` for why not bf16)."""
     enforce_eager: bool = True
     cpu_bind: str = "0"
     """``VLLM_CPU_OMP_THREADS_BIND``: the cores of the worker's threads. Servers running
@@ -159,7 +163,7 @@ class ServerOptions:
             *("--max-model-len", str(self.max_model_len)),
             *("--max-num-seqs", str(self.max_num_seqs)),
             *("--max-num-batched-tokens", str(self.max_num_batched_tokens)),
-            *("--dtype", "bfloat16", "--seed", "0"),
+            *("--dtype", self.dtype, "--seed", "0"),
             *("--uvicorn-log-level", "warning"),
         ]
         if self.enforce_eager:
@@ -228,6 +232,8 @@ class VllmServer:
 
     def start(self) -> VllmServer:
         """Start the process (returns at once; :meth:`wait_ready` waits for the API)."""
+        if self.process is not None:
+            raise ServerError(f"{self.name} was already started (pid {self.process.pid})")
         self.options.environment.require()
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("wb") as log_file:
@@ -283,7 +289,7 @@ class VllmServer:
 
     def tree(self) -> list[int]:
         """The server's live processes: its main process and everything below it."""
-        if self.process is None or not _alive(self.process.pid):
+        if self.process is None or not alive(self.process.pid):
             return []
         return [self.process.pid, *descendants(self.process.pid)]
 
@@ -293,7 +299,7 @@ class VllmServer:
         self._tree.update(self.tree())
 
     def _leftovers(self) -> list[int]:
-        return [pid for pid in self._tree if _alive(pid)]
+        return [pid for pid in self._tree if alive(pid)]
 
     def kill(self) -> None:
         """SIGKILL every process of the tree at once (a crash, an OOM kill)."""

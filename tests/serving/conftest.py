@@ -1,0 +1,123 @@
+"""Real ``vllm serve`` processes for the serving tests, shared where tests can share them.
+
+Every test here goes through the servers' OpenAI HTTP API, as a user's client does. The
+servers are vLLM's CPU build (``make engines``) serving the generated tiny model; they
+start with the quickest settings (``--enforce-eager``, one ``VLLM_CACHE_ROOT`` per run)
+and each module keeps its own alive for all its tests. At most three run at once: the
+plain-vLLM reference (the whole session) and a module's two.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from kvshare.demo.serving.client import Completion, complete
+from kvshare.demo.serving.environment import DEFAULT_SERVING, tiny_model_dir
+from kvshare.demo.serving.tiny_model import VOCAB
+from kvshare.demo.serving.vllm_server import ServerOptions, VllmServer
+
+MIB = 2**20
+#: KV cache of the plain-vLLM reference, and the lease of the standalone kvshare server.
+REFERENCE_KV_BYTES = 16 * MIB
+#: Bytes of one KV block of the tiny model: 32 tokens x 4 layers x (K+V) 2 heads x 64 x fp32.
+BLOCK_BYTES = 32 * 4 * 2 * 2 * 64 * 4
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.path.is_relative_to(Path(__file__).parent):
+            item.add_marker(pytest.mark.engines)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def serving_environment() -> None:
+    if not DEFAULT_SERVING.python().exists() or not (tiny_model_dir() / "config.json").exists():
+        pytest.skip(f"{DEFAULT_SERVING.name} or the tiny model is not built: run `make engines`")
+
+
+@pytest.fixture(scope="session")
+def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Logs of every server, and the vLLM cache they share."""
+    return tmp_path_factory.mktemp("serving")
+
+
+def start_servers(*servers: VllmServer) -> list[VllmServer]:
+    """Start the servers together and wait until every one answers (stop all on failure)."""
+    try:
+        for server in servers:
+            server.start()
+        for server in servers:
+            server.wait_ready()
+    except BaseException:
+        for server in servers:
+            server.stop()
+        raise
+    return list(servers)
+
+
+def options(run_dir: Path, *, kvshare: bool, cpu: int, **fields: object) -> ServerOptions:
+    """A server's options for these tests: its own core, the run's vLLM cache."""
+    return ServerOptions(
+        kvshare=kvshare,
+        cpu_bind=str(cpu),
+        cache_root=run_dir / "vllm-cache",
+        **fields,  # type: ignore[arg-type]
+    )
+
+
+@pytest.fixture(scope="session")
+def native_server(run_dir: Path) -> Iterator[VllmServer]:
+    """Plain vLLM (no kvshare) with a KV cache of :data:`REFERENCE_KV_BYTES`, started but
+    not waited for: a module starts its own servers beside it (see :func:`native`)."""
+    server = VllmServer(
+        "native",
+        options(run_dir, kvshare=False, cpu=1, kv_cache_bytes=REFERENCE_KV_BYTES),
+        run_dir / "native.log",
+    )
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def native(native_server: VllmServer) -> VllmServer:
+    """The plain-vLLM reference, answering."""
+    return native_server.wait_ready()
+
+
+@dataclass(frozen=True)
+class Ask:
+    """One greedy request: a prompt (text or token ids) and how many tokens to generate."""
+
+    prompt: str | tuple[int, ...]
+    max_tokens: int
+
+
+def token_prompt(seed: int, length: int) -> tuple[int, ...]:
+    """A prompt of ``length`` token ids drawn from ``seed`` (special tokens left out)."""
+    rng = random.Random(seed)
+    return tuple(rng.randrange(2, VOCAB) for _ in range(length))
+
+
+def long_asks(seed: int, count: int, prompt: int, output: int) -> list[Ask]:
+    """``count`` requests with prompts of their own: no prefix cache hits between them."""
+    return [Ask(token_prompt(seed * 1000 + i, prompt), output) for i in range(count)]
+
+
+def serve_all(server: VllmServer, asks: Sequence[Ask], concurrency: int = 16) -> list[Completion]:
+    """Every request at once (up to ``concurrency`` in flight); their completions in order.
+    A request that fails raises its HTTP status."""
+    with ThreadPoolExecutor(max_workers=max(1, min(concurrency, len(asks)))) as pool:
+        return list(pool.map(lambda ask: complete(server.url, ask.prompt, ask.max_tokens), asks))
+
+
+def tokens(completions: Sequence[Completion]) -> list[tuple[int, ...]]:
+    return [c.token_ids for c in completions]
