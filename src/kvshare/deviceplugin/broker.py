@@ -15,7 +15,8 @@ A pool's connection is bound to the process that opened it (``SO_PEERCRED``) and
 process is watched through a pidfd: when it exits, its lease returns at once. A
 connection that closes without ``bye`` while its process lives on is given a short grace
 (``orphan_grace_s``) to reconnect before its lease returns. Anything that breaks the
-protocol closes that one connection.
+protocol (see :mod:`kvshare.api.wire`: every value is checked as it is decoded) closes
+that one connection; it is counted, and logged at a bounded rate.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from typing import Literal
 
 from kvshare.api.wire import (
     BROKER_CODEC,
+    MAX_REQUEST_BYTES,
     Bye,
     Codec,
     FrameReader,
@@ -53,6 +55,7 @@ from kvshare.deviceplugin import admin, peers
 from kvshare.deviceplugin.books import Books, BrokerEvents, ExpectedPool, Send
 from kvshare.deviceplugin.inventory import GpuInfo
 from kvshare.deviceplugin.state import load_expected, save_pools
+from kvshare.deviceplugin.throttle import ThrottledLog
 from kvshare.deviceplugin.views import BooksView
 
 __all__ = ["Broker", "BrokerConfig", "BrokerError"]
@@ -98,7 +101,7 @@ class _Conn:
         self.sock = sock
         self.peer = peer
         self.role: Role = role
-        self.reader = FrameReader()
+        self.reader = FrameReader(MAX_REQUEST_BYTES)
         self.out = bytearray()
         self.pool_id = 0
 
@@ -133,6 +136,7 @@ class Broker:
         self._thread: threading.Thread | None = None
         self._beat = time.monotonic()
         self._serving = False
+        self._error_log = ThrottledLog(log, "protocol errors")
 
     # --- lifecycle ----------------------------------------------------------------------
 
@@ -292,6 +296,7 @@ class Broker:
         for pool_id in removed:
             self._forget_pool(pool_id)
         self._deliver(sends)
+        self._error_log.flush()
 
     def _accept(self, listener: socket.socket, kind: str) -> None:
         while True:
@@ -332,7 +337,17 @@ class Broker:
                 if conn.role == "closed":
                     return
         except ProtocolError as exc:
-            self._reject(conn, str(exc))
+            self._reject(conn, exc)
+        except Exception:
+            # A fault of the broker's own: the peer that triggered it loses only its
+            # connection, and the next one is served.
+            self._error_log.log(
+                logging.ERROR,
+                "broker: unexpected error serving pid %d: closing its connection",
+                conn.peer.pid,
+                exc_info=True,
+            )
+            self._refuse(conn, "internal error in the broker: see the node agent's log")
 
     def _dispatch(self, conn: _Conn, message: Message) -> None:
         now = time.monotonic()
@@ -495,10 +510,13 @@ class Broker:
 
     # --- closing ------------------------------------------------------------------------
 
-    def _reject(self, conn: _Conn, reason: str) -> None:
-        self._events.protocol_error(reason.split(":", 1)[0])
-        log.warning("broker: closing connection from pid %d: %s", conn.peer.pid, reason)
-        self._refuse(conn, f"protocol error: {reason}")
+    def _reject(self, conn: _Conn, error: ProtocolError) -> None:
+        self._events.protocol_error(error.kind)
+        # The message quotes the peer's values escaped and cut short (see wire._shown).
+        self._error_log.log(
+            logging.WARNING, "broker: closing connection from pid %d: %s", conn.peer.pid, error
+        )
+        self._refuse(conn, f"protocol error: {error}")
 
     def _refuse(self, conn: _Conn, reason: str) -> None:
         """Tell the peer why, then close (a pool connection then counts as lost)."""
