@@ -250,3 +250,46 @@ def test_kvshare_ctl_shows_exactly_the_real_pools_whatever_neighbours_send(
     finally:
         for sock in held:
             sock.close()
+
+
+HOLD_POOLS = """
+import json, socket, struct, sys
+path, body, count = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
+held, answers = [], []
+for i in range(count):
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(path)
+    payload = json.dumps({**body, "pod": f"{body['pod']}-{i}"}).encode()
+    sock.sendall(struct.pack(">I", len(payload)) + payload)
+    answers.append(json.loads(sock.recv(65536)[4:])["type"])
+    held.append(sock)
+print(json.dumps(answers), flush=True)
+sys.stdin.read()
+"""
+
+
+def test_one_process_holds_at_most_64_pools_and_hundreds_still_list(
+    agent_factory: AgentFactory,
+) -> None:
+    agent = agent_factory("1x2Gi")
+    hold = [sys.executable, "-c", HOLD_POOLS, str(agent.broker_socket)]
+    holders = [
+        subprocess.Popen(
+            [*hold, json.dumps(hello(agent, pod=f"h{n}")), str(70 if n == 0 else 60)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for n in range(12)
+    ]
+    try:
+        answers = [json.loads(h.stdout.readline()) for h in holders if h.stdout]
+        assert answers[0] == ["welcome"] * 64 + ["refused"] * 6
+        assert all(a == ["welcome"] * 60 for a in answers[1:])
+        listed = _kvshare("ctl", "--admin-socket", str(agent.admin_socket), "--json", "pools")
+        assert listed.returncode == 0, listed.stderr
+        assert len(json.loads(listed.stdout)["pools"]) == 64 + 11 * 60  # > 256 KiB
+    finally:
+        for holder in holders:
+            holder.kill()
+            holder.wait(30)

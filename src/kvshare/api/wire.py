@@ -82,8 +82,8 @@ __all__ = [
 
 #: Version a client states in :class:`Hello`; the broker refuses versions it does not speak.
 PROTOCOL_VERSION = 1
-#: Largest payload of one frame. Every real message is far smaller; admin listings of a
-#: few hundred pools stay well under it.
+#: Largest payload of one frame. Every real message is far smaller (admin replies, which
+#: list every pool, have a limit of their own).
 MAX_FRAME_BYTES = 256 * 1024
 #: Largest payload of a frame sent *to* the node agent (pools, start-up turns, admin
 #: requests): the largest real one, a hello with every name at its longest, is < 2 KiB.
@@ -500,7 +500,11 @@ def _plain(value: Any) -> Any:
 class Codec:
     """Encodes and strictly decodes one family of message types."""
 
-    def __init__(self, message_types: Iterable[type[Message]]) -> None:
+    def __init__(
+        self, message_types: Iterable[type[Message]], max_frame_bytes: int = MAX_FRAME_BYTES
+    ) -> None:
+        #: Largest payload this codec encodes, and its peers should read.
+        self.max_frame_bytes = max_frame_bytes
         self._builders: dict[str, typing.Callable[[dict[str, Any]], Any]] = {}
         self._fields: dict[type[Message], tuple[str, ...]] = {}
         for cls in message_types:
@@ -517,7 +521,7 @@ class Codec:
         body: dict[str, Any] = {"type": message.TYPE}
         for name in names:
             body[name] = _plain(getattr(message, name))
-        return encode_frame(json.dumps(body, separators=(",", ":")).encode())
+        return encode_frame(json.dumps(body, separators=(",", ":")).encode(), self.max_frame_bytes)
 
     def decode(self, payload: bytes) -> Message:
         """The message in one frame's payload; :class:`ProtocolError` when it is not one."""
@@ -577,10 +581,10 @@ def _nesting(value: Any) -> int:
     return deepest
 
 
-def encode_frame(payload: bytes) -> bytes:
-    """``payload`` behind its length header; refuses payloads over the frame limit."""
-    if len(payload) > MAX_FRAME_BYTES:
-        raise ProtocolError(f"message of {len(payload)} bytes exceeds {MAX_FRAME_BYTES}")
+def encode_frame(payload: bytes, limit: int = MAX_FRAME_BYTES) -> bytes:
+    """``payload`` behind its length header; refuses payloads over ``limit``."""
+    if len(payload) > limit:
+        raise ProtocolError(f"message of {len(payload)} bytes exceeds {limit}", "frame")
     return _HEADER.pack(len(payload)) + payload
 
 

@@ -64,6 +64,9 @@ log = logging.getLogger(__name__)
 
 #: A peer that lets this much unsent data pile up is not reading: it is disconnected.
 _MAX_OUTBOX_BYTES = 1 << 20
+#: Pools one process may hold at once. An engine process holds one per GPU it drives;
+#: the limit keeps one misbehaving process from filling the books (and every listing).
+MAX_POOLS_PER_PROCESS = 64
 _RECV_BYTES = 1 << 16
 #: How often deadlines are checked (reclaims, orphaned connections, turns, recovery).
 _TICK_S = 0.05
@@ -397,7 +400,7 @@ class Broker:
             self._admin(conn, message, now)
 
     def _hello(self, conn: _Conn, hello: Hello, now: float) -> None:
-        refusal = self._peer_problem(conn.peer, hello)
+        refusal = self._peer_problem(conn.peer, hello) or self._too_many_pools(conn.peer, hello)
         if refusal is not None:
             self._events.refused(hello.gpu, "peer")
             self._refuse(conn, refusal)
@@ -447,6 +450,18 @@ class Broker:
             return f"peer: process {peer.pid} does not run in pod {hello.pod_uid}"
         return None
 
+    def _too_many_pools(self, peer: peers.Peer, hello: Hello) -> str | None:
+        with self._lock:
+            mine = [p for p in self._books.pools() if p.pid == peer.pid]
+        if len(mine) < MAX_POOLS_PER_PROCESS or any(
+            p.hello.pod == hello.pod and p.hello.rank == hello.rank for p in mine
+        ):  # a pool reconnecting replaces its own record
+            return None
+        return (
+            f"peer: process {peer.pid} already holds {len(mine)} pools, the most one process "
+            "may hold; close some (each engine process needs one per GPU)"
+        )
+
     def _admin(self, conn: _Conn, message: Message, now: float) -> None:
         if not isinstance(message, admin.AdminRequest):
             raise ProtocolError(f"{message.TYPE!r} is not an admin request")
@@ -476,7 +491,12 @@ class Broker:
     def _send(self, conn: _Conn, message: Message, codec: Codec = BROKER_CODEC) -> None:
         if conn.role == "closed":
             return
-        frame = codec.encode(message)
+        try:
+            frame = codec.encode(message)
+        except ProtocolError as exc:
+            log.error("broker: cannot send %s to pid %d: %s", message.TYPE, conn.peer.pid, exc)
+            self._refuse(conn, f"the node agent cannot send its {message.TYPE}: {exc}")
+            return
         if conn.out:
             conn.out += frame
         else:
@@ -492,7 +512,7 @@ class Broker:
                 self._selector.modify(
                     conn.sock, selectors.EVENT_READ | selectors.EVENT_WRITE, ("conn", conn.id)
                 )
-        if len(conn.out) > _MAX_OUTBOX_BYTES:
+        if len(conn.out) > max(_MAX_OUTBOX_BYTES, len(frame)):  # one admin reply may be more
             log.warning("broker: pid %d does not read its messages: disconnecting", conn.peer.pid)
             self._close(conn)
 

@@ -18,6 +18,7 @@ metric names (the Helm chart's alert rules and dashboard are checked against it)
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -333,13 +334,12 @@ class MetricsServer:
     def __init__(self, host: str, port: int, metrics: NodeMetrics, healthy: Check, ready: Check):
         handler = _handler(metrics.registry, healthy, ready)
         try:
-            self._server = ThreadingHTTPServer((host, port), handler)
+            self._server = _Server((host, port), handler)
         except OSError as exc:
             raise OSError(
                 f"cannot serve metrics on {host}:{port}: {exc.strerror} (choose another "
                 "--metrics-address)"
             ) from None
-        self._server.daemon_threads = True
         self._thread: threading.Thread | None = None
 
     @property
@@ -358,6 +358,17 @@ class MetricsServer:
         """Stop serving."""
         self._server.shutdown()
         self._server.server_close()
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A scraper that hung up before its answer was written is not the agent's
+        # fault; anything else is logged once, through logging (not printed to stderr).
+        if isinstance(sys.exc_info()[1], ConnectionError):
+            return
+        log.exception("metrics: error answering %s", client_address)
 
 
 def _render(registry: CollectorRegistry) -> tuple[bytes | None, str]:
