@@ -527,7 +527,7 @@ class ModelServerStatus(KubeModel):
     ready: str = "0/0"
     """Ready over desired replicas, for `kubectl get ms`."""
     conditions: list[Condition] = Field(default=[], max_length=16)
-    """Placed, Ready, Progressing and Degraded, with reasons."""
+    """Placed, Ready, Progressing, Degraded and ResolvedRefs, with reasons."""
     placements: list[ReplicaPlacement] = Field(default=[], max_length=1024)
     """Node and GPUs of each replica."""
     kv: KVUsage = Field(default=KVUsage())
