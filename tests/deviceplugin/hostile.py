@@ -191,9 +191,9 @@ def _replies(data: bytes) -> list[Message]:
 def converse(broker: str, admin: str, talk: Conversation) -> str:
     """Run one conversation on the broker (or ``admin``) socket; how it ended:
     ``refused``, ``closed`` (no refusal), ``welcomed`` or ``open`` (the agent neither
-    answered nor closed within 2 s of the end of what was sent)."""
+    answered nor closed within 10 s: generous, for a loaded machine; a hang is caught)."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-        sock.settimeout(2.0)
+        sock.settimeout(10.0)
         sock.connect(admin if talk.admin else broker)
         try:
             for chunk in talk.chunks:
@@ -240,6 +240,8 @@ class Report:
     messages_sent: int = 0
     kinds: Counter[str] = field(default_factory=Counter)
     outcomes: Counter[str] = field(default_factory=Counter)
+    left_open: list[str] = field(default_factory=list)
+    """Conversations the agent neither answered nor closed within 10 s (none, or a bug)."""
     hostile_admitted: list[str] = field(default_factory=list)
     """The first frame of each hostile conversation the broker welcomed (none, or a bug)."""
     crashes: int = 0
@@ -261,7 +263,7 @@ class Report:
             "kinds_tried": len(self.kinds),
             "refused_or_closed": refused,
             "welcomed": self.outcomes["welcomed"],
-            "left_open": self.outcomes["open"],
+            "left_open": len(self.left_open),
             "hostile_admitted": len(self.hostile_admitted),
             "crashes": self.crashes,
             "scrapes": self.scrapes,
@@ -305,6 +307,7 @@ def attack(broker: str, admin: str, gpu: str, seconds: float, seed: int) -> dict
     outcomes: Counter[str] = Counter()
     sent = 0
     admitted: list[str] = []
+    left_open: list[str] = []
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline or once is not None:
         make = next(once, None) if once is not None else generator.next
@@ -317,7 +320,10 @@ def attack(broker: str, admin: str, gpu: str, seconds: float, seed: int) -> dict
         outcomes[outcome] += 1
         if talk.hostile and outcome == "welcomed":
             admitted.append(ascii(talk.chunks[0][4:300]))
-    return {"sent": sent, "kinds": kinds, "outcomes": outcomes, "admitted": admitted}
+        if outcome == "open":
+            left_open.append(f"{talk.kind}: {talk.chunks[0][:120]!a}")
+    return {"sent": sent, "kinds": kinds, "outcomes": outcomes, "admitted": admitted,
+            "open": left_open}  # fmt: skip
 
 
 def campaign(
@@ -349,6 +355,7 @@ def campaign(
         report.kinds.update(result["kinds"])
         report.outcomes.update(result["outcomes"])
         report.hostile_admitted += result["admitted"]
+        report.left_open += result["open"]
     report.seconds = time.monotonic() - began
     stop.set()
     watcher.join()

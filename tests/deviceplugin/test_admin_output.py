@@ -7,8 +7,6 @@ import dataclasses
 import json
 import socket
 import struct
-import subprocess
-import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +16,7 @@ import pytest
 from kvshare.deviceplugin.ctl_cli import render_gpus, render_pools
 from kvshare.deviceplugin.views import BooksView, GpuView, PoolView
 
-from .conftest import GIB, ROOT
+from .conftest import GIB, kvshare_cli
 
 HOSTILE = [
     "llm\n9  forged/row  0  100  0  -  8.0Gi",
@@ -94,13 +92,6 @@ def stand_in_agent(tmp_path: Path) -> Iterator[tuple[Path, list[bytes]]]:
     path.unlink(missing_ok=True)
 
 
-def _kvshare(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "kvshare.cli", *args],
-        cwd=ROOT, capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
-
-
 def test_ctl_and_top_refuse_a_reply_with_unprintable_values_in_words(
     stand_in_agent: tuple[Path, list[bytes]],
 ) -> None:
@@ -110,7 +101,7 @@ def test_ctl_and_top_refuse_a_reply_with_unprintable_values_in_words(
     replies += [json.dumps(reply).encode()] * 2
     for command in (("ctl", "--admin-socket", str(path), "pools"),
                     ("top", "--admin-socket", str(path), "--iterations", "1")):  # fmt: skip
-        done = _kvshare(*command)
+        done = kvshare_cli(*command)
         assert done.returncode == 1 and done.stdout == "", done
         assert "unexpected reply from the node agent" in done.stderr
         assert "is not printable text" in done.stderr and "\x1b" not in done.stderr
@@ -120,6 +111,6 @@ def test_ctl_and_top_print_their_errors_escaped() -> None:
     path = "/tmp/no-agent-\x1b[2J\x1b[H-here.sock"
     for command in (("ctl", "--admin-socket", path, "pools"),
                     ("top", "--admin-socket", path, "--iterations", "1")):  # fmt: skip
-        done = _kvshare(*command)
+        done = kvshare_cli(*command)
         assert done.returncode == 1 and "no admin socket at" in done.stderr, done.stderr
         assert "\x1b" not in done.stderr and "\\x1b[2J" in done.stderr

@@ -76,18 +76,18 @@ def _parse_quantity_field(value: object) -> int:
     raise ValueError(f"{value!r} is not a quantity (expected e.g. 40Gi, 512Mi or 1e9)")
 
 
+_AS_QUANTITY = PlainSerializer(format_bytes, return_type=str, when_used="json")
+_INT_OR_STRING = {
+    "anyOf": [{"type": "integer"}, {"type": "string"}],
+    "x-kubernetes-int-or-string": True,
+}
+
 #: A memory size: ``int`` bytes in Python, a Kubernetes quantity on the wire.
 ByteQuantity = Annotated[
     int,
     BeforeValidator(_parse_quantity_field),
-    PlainSerializer(format_bytes, return_type=str, when_used="json"),
-    WithJsonSchema(
-        {
-            "anyOf": [{"type": "integer"}, {"type": "string"}],
-            "pattern": QUANTITY_PATTERN,
-            "x-kubernetes-int-or-string": True,
-        }
-    ),
+    _AS_QUANTITY,
+    WithJsonSchema({**_INT_OR_STRING, "pattern": QUANTITY_PATTERN}),
 ]
 
 
@@ -167,15 +167,8 @@ def _worker_memory_rules() -> dict[str, Any]:
 WorkerMemory = Annotated[
     int,
     BeforeValidator(_parse_worker_memory),
-    PlainSerializer(format_bytes, return_type=str, when_used="json"),
-    WithJsonSchema(
-        {
-            "anyOf": [{"type": "integer"}, {"type": "string"}],
-            "maxLength": 64,
-            "x-kubernetes-int-or-string": True,
-            **_worker_memory_rules(),
-        }
-    ),
+    _AS_QUANTITY,
+    WithJsonSchema({**_INT_OR_STRING, "maxLength": 64, **_worker_memory_rules()}),
 ]
 
 

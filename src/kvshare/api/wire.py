@@ -63,9 +63,13 @@ __all__ = [
     "Bye",
     "Codec",
     "FrameReader",
+    "GpuId",
     "Hello",
+    "LabelValue",
     "Lease",
     "Message",
+    "Namespace",
+    "ObjectName",
     "ProtocolError",
     "Reclaim",
     "Refused",
@@ -75,6 +79,7 @@ __all__ = [
     "TurnGranted",
     "TurnRefused",
     "TurnRequest",
+    "Uid",
     "Want",
     "Welcome",
     "encode_frame",
@@ -132,7 +137,7 @@ class Syntax:
         if not value and self.optional:
             return None
         if len(value) > self.max_length:
-            return f"{len(value)} characters is longer than {self.what} may be"
+            return f"{len(value)} characters, more than the {self.max_length} of {self.what}"
         if self.pattern is None:
             return None if value.isprintable() else f"{_shown(value)} is not printable text"
         return None if self.pattern.fullmatch(value) else f"{_shown(value)} is not {self.what}"
@@ -526,7 +531,8 @@ class Codec:
     def decode(self, payload: bytes) -> Message:
         """The message in one frame's payload; :class:`ProtocolError` when it is not one."""
         try:
-            data = json.loads(payload, object_pairs_hook=_object)
+            # Strict UTF-8 first: json.loads would also take UTF-16 and UTF-32 bytes.
+            data = json.loads(payload.decode("utf-8"), object_pairs_hook=_object)
         except RecursionError:
             raise ProtocolError(_TOO_DEEP, "json") from None
         except ProtocolError:
