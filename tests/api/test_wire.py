@@ -89,6 +89,7 @@ def payload(**fields: object) -> bytes:
         (payload(type="report", mapped=1.5, used=0, cached=0, reserved=0), "expected an integer"),
         (payload(**{**dataclasses.asdict(HELLO), "type": "hello", "resume": 1}), "true or false"),
         (b"\xff\xfe", "not a JSON object"),
+        (json.dumps({"type": "bye"}).encode("utf-16"), "can't decode"),  # UTF-8 only
     ],
 )
 def test_anything_else_is_a_protocol_error(raw: bytes, fragment: str) -> None:
