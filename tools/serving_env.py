@@ -23,6 +23,7 @@ stamp: the Python version, the pins, the generator's source).
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
 import subprocess
 import sys
@@ -67,8 +68,8 @@ def _is_current(folder: Path, stamp: str) -> bool:
     return path.is_file() and path.read_text(encoding="utf-8").strip() == stamp
 
 
-def _run(command: list[str], what: str) -> None:
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
+def _run(command: list[str], what: str, env: dict[str, str] | None = None) -> None:
+    done = subprocess.run(command, capture_output=True, text=True, check=False, env=env)
     if done.returncode != 0:
         raise SystemExit(f"{what} failed ({' '.join(command)}):\n{done.stdout}{done.stderr}")
 
@@ -135,6 +136,8 @@ def build_model(builder: ServingEnvironment) -> float:
     _run(
         [str(builder.python(ROOT)), str(GENERATOR), "--out", str(out)],
         "generating the tiny model",
+        # One thread: the tokenizer's training must not depend on scheduling.
+        env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
     )
     (out / STAMP).write_text(model_stamp(builder) + "\n", encoding="utf-8")
     return time.monotonic() - started

@@ -101,7 +101,7 @@ SUPPORTED: tuple[SupportedLine, ...] = (
 
 
 def supported_labels(engine: str) -> str:
-    """The supported lines of ``engine`` as one phrase (``0.33.x, 0.30.x``)."""
+    """The supported lines of ``engine`` as one phrase (``0.33.x, 0.32.x, 0.30.x``)."""
     return ", ".join(line.label for line in SUPPORTED if line.engine == engine)
 
 
