@@ -72,7 +72,7 @@ format: $(DEV_STAMP)  ## apply ruff's fixes and formatting
 	$(VENV)/bin/ruff check --fix src tests bench tools
 	$(VENV)/bin/ruff format src tests bench tools
 
-bench: $(DEV_STAMP) $(PROTO_STUBS)  ## run every benchmark and rewrite BENCHMARKS.md
+bench: $(DEV_STAMP) $(PROTO_STUBS) engines  ## run every benchmark and rewrite BENCHMARKS.md
 	$(PY) bench/run.py --all --write BENCHMARKS.md
 
 demo: $(DEMO_STAMP) $(PROTO_STUBS)  ## static partitions vs elastic KV caches here (no GPU, no cluster)

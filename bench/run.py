@@ -28,19 +28,36 @@ from harness import Result, machine, today
 from report import write_report
 
 BENCH_DIR = Path(__file__).resolve().parent
-#: Every benchmark, in report order. Each is ``bench/<name>.py`` with ``run(quick)``.
-BENCHMARKS = ("placement", "vmm", "blocks", "broker", "deviceplugin", "operator", "elastic", "fuzz")
+#: Every benchmark, in report order. Each is ``bench/<name>.py`` (``-`` written ``_``) with
+#: ``run(quick)``.
+BENCHMARKS = (
+    "placement",
+    "vmm",
+    "blocks",
+    "broker",
+    "deviceplugin",
+    "operator",
+    "elastic",
+    "fuzz",
+    "vllm-overhead",
+    "elastic-vllm",
+)
+
+
+def source(name: str) -> Path:
+    """The file of benchmark ``name``."""
+    return BENCH_DIR / f"{name.replace('-', '_')}.py"
 
 
 def available() -> list[str]:
-    return [name for name in BENCHMARKS if (BENCH_DIR / f"{name}.py").exists()]
+    return [name for name in BENCHMARKS if source(name).exists()]
 
 
 def load(name: str) -> ModuleType:
-    path = BENCH_DIR / f"{name}.py"
+    path = source(name)
     if name not in BENCHMARKS or not path.exists():
         raise SystemExit(f"unknown benchmark {name!r}; available: {', '.join(available())}")
-    spec = importlib.util.spec_from_file_location(f"kvshare_bench_{name}", path)
+    spec = importlib.util.spec_from_file_location(f"kvshare_bench_{name.replace('-', '_')}", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -64,6 +64,7 @@ def test_a_short_demo_prints_the_comparison_and_writes_the_plot(
     for row in ("static   model-0", "static   total", "elastic  model-2", "elastic  total"):
         assert row in stdout
     assert "0 over-commitments" in stdout
+    assert "`kvshare demo --engine vllm` runs the comparison with real vLLM servers" in stdout
     png = out / "kvshare-demo.png"
     assert f"Plot:    {png}" in stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -151,6 +152,7 @@ def test_trace_fixes_the_size_of_the_run(tmp_path: Path) -> None:
         (["--cycles", "0"], "--cycles must be at least 1"),
         (["--gpu-memory", "lots"], "--gpu-memory"),
         (["--trace", "/nonexistent/trace.json"], "cannot read trace"),
+        (["--engine", "vllm", "--speed", "4"], "--engine vllm runs the trace in real time"),
     ],
 )
 def test_bad_options_are_refused_with_the_reason(args: list[str], message: str) -> None:

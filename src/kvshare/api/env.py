@@ -251,6 +251,13 @@ ALL: tuple[EnvVar[object], ...] = (
 )
 
 
+def configured(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The kvshare variables that are set (non-empty), by name, as text: what a process
+    hands on to a child that must see the same kvshare settings."""
+    source = os.environ if environ is None else environ
+    return {var.name: source[var.name] for var in ALL if source.get(var.name)}
+
+
 def markdown_table() -> str:
     """The configuration reference of docs/configuration.md, generated from :data:`ALL`."""
     rows = ["| variable | default | read by | meaning |", "|---|---|---|---|"]

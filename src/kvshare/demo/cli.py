@@ -2,7 +2,9 @@
 
 Starts the node agent with a fake GPU (host memory) and, for each model, one simulated
 model server per world (static partitions and elastic), runs the same bursty trace in
-both at once, shows them live, and ends with a per-model summary and a plot.
+both at once, shows them live, and ends with a per-model summary and a plot. With
+``--engine vllm`` the model servers are real ``vllm serve`` processes (``make engines``),
+one world after the other.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from kvshare.api import names
 from kvshare.api.quantity import QuantityError, format_bytes, parse_bytes
-from kvshare.demo.orchestrator import DEFAULT_SPEED
+from kvshare.demo.orchestrator import DEFAULT_SPEED, ENGINES
 from kvshare.demo.trace import TraceConfig
 
 if TYPE_CHECKING:
@@ -28,6 +30,9 @@ _DEFAULTS = {
     "patience": TraceConfig.patience_s,
     "cycles": TraceConfig.cycles,
 }
+#: ``--engine vllm``: three real servers on a GPU of 48 MiB of KV cache (the tiny model's
+#: blocks are small), 30 s bursts in real time.
+_VLLM_DEFAULTS = {**_DEFAULTS, "duration": 90.0, "models": 3, "gpu_memory": 48 * 2**20}
 
 
 def _gpu_memory(raw: str) -> int:
@@ -38,6 +43,13 @@ def _gpu_memory(raw: str) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--engine",
+        choices=ENGINES,
+        default="sim",
+        help="sim: simulated model servers (fast, the default); vllm: real vLLM servers "
+        "(vLLM's CPU build and a tiny model, set up by `make engines`; about 5 minutes)",
+    )
     parser.add_argument(
         "--duration",
         type=float,
@@ -70,9 +82,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--speed",
         type=float,
-        default=DEFAULT_SPEED,
         help="trace seconds per wall-clock second: kvshare's own delays count this many "
-        f"times over (default {DEFAULT_SPEED:g}; 1 runs the trace in real time)",
+        f"times over (default {DEFAULT_SPEED:g}; 1 runs the trace in real time, as real "
+        "engines always do)",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the generated trace")
     parser.add_argument(
@@ -108,15 +120,20 @@ def _options(args: argparse.Namespace) -> DemoOptions:
     if args.trace is not None and given:
         flags = ", ".join("--" + k.replace("_", "-") for k in given)
         raise ValueError(f"{flags} cannot be combined with --trace: the trace file fixes them")
-    values = {**_DEFAULTS, **given}
+    values = {**(_VLLM_DEFAULTS if args.engine == "vllm" else _DEFAULTS), **given}
+    speed = args.speed if args.speed is not None else DEFAULT_SPEED
+    if args.engine == "vllm":
+        if args.speed not in (None, 1.0):
+            raise ValueError("--engine vllm runs the trace in real time: leave out --speed")
+        speed = 1.0
     if int(values["models"]) < 3:
         raise ValueError(f"--models must be at least 3, got {values['models']}")
     if not float(values["duration"]) > 0:
         raise ValueError(f"--duration must be > 0, got {values['duration']}")
     if not float(values["patience"]) > 0:
         raise ValueError(f"--patience must be > 0, got {values['patience']}")
-    if not args.speed > 0:
-        raise ValueError(f"--speed must be > 0, got {args.speed}")
+    if not speed > 0:
+        raise ValueError(f"--speed must be > 0, got {speed}")
     if int(values["cycles"]) < 1:
         raise ValueError(f"--cycles must be at least 1, got {values['cycles']}")
     return DemoOptions(
@@ -126,7 +143,8 @@ def _options(args: argparse.Namespace) -> DemoOptions:
         patience_s=float(values["patience"]),
         cycles=int(values["cycles"]),
         seed=args.seed,
-        speed=args.speed,
+        speed=speed,
+        engine=args.engine,
         trace_file=args.trace,
         output=args.output,
         metrics_port=args.metrics_port,

@@ -1,6 +1,6 @@
 """Runs the demo: the node agent and one process per simulated model server, twice over.
 
-The same trace runs at the same time in two worlds of the same size:
+The same trace runs in two worlds of the same size:
 
 - **static partitions** — each model's pool has a fixed lease of an equal share of the
   GPU (what ``--gpu-memory-utilization`` gives a model today);
@@ -16,6 +16,12 @@ GPU never sums to more than the GPU's memory (its headroom is 0 here, so static 
 and elastic pools share the same total). At the end it checks every server's counts
 against the trace, writes ``results.json`` and the PNG into the output folder, and prints
 the comparison.
+
+With ``engine="vllm"`` each model server is a real ``vllm serve`` (vLLM's CPU build and the
+tiny model, ``make engines``; :mod:`kvshare.demo.real_server`) driven by its model's
+requests over HTTP: plain vLLM with a KV cache of an equal share in the static world,
+vLLM with kvshare leased by the broker in the elastic one. The worlds then run one after
+the other (six vLLM servers at once would not fit this machine's memory), in real time.
 
 It imports neither the runtime nor the node agent: it talks to both through their real
 interfaces (processes, pipes, the broker's socket path, the metrics endpoint).
@@ -42,7 +48,7 @@ import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import IO, Any, TextIO
+from typing import IO, Any, Literal, TextIO
 
 from kvshare.api import names
 from kvshare.api.quantity import format_bytes
@@ -67,8 +73,14 @@ __all__ = ["DemoError", "DemoOptions", "DemoOutcome", "NodeAgent", "pick_metrics
 log = logging.getLogger(__name__)
 
 GIB = 2**30
-#: Seconds allowed for the node agent and every server to come up.
+#: Seconds allowed for the node agent and every simulated server to come up.
 STARTUP_TIMEOUT_S = 90.0
+#: Seconds allowed for a world of real vLLM servers to come up (their start-up turns
+#: follow one another, on two loaded cores).
+VLLM_STARTUP_TIMEOUT_S = 600.0
+#: The model servers a demo runs: simulated engines, or real vLLM servers.
+Engine = Literal["sim", "vllm"]
+ENGINES: tuple[Engine, ...] = ("sim", "vllm")
 #: Seconds allowed past the trace's end for the servers to report.
 FINISH_GRACE_S = 30.0
 _PR_SET_PDEATHSIG = 1
@@ -101,13 +113,30 @@ class DemoOptions:
     plot: bool = True
     #: Trace seconds between two samples of a server.
     sample_s: float = 0.5
-    #: Trace seconds per wall-clock second (see :data:`DEFAULT_SPEED`).
+    #: Trace seconds per wall-clock second (see :data:`DEFAULT_SPEED`; 1 for real engines).
     speed: float = DEFAULT_SPEED
+    engine: Engine = "sim"
+
+    @property
+    def startup_timeout_s(self) -> float:
+        return VLLM_STARTUP_TIMEOUT_S if self.engine == "vllm" else STARTUP_TIMEOUT_S
 
     def trace(self) -> trace_mod.Trace:
         """The trace to run: loaded from ``trace_file`` or generated from the options."""
         if self.trace_file is not None:
             return trace_mod.load(self.trace_file)
+        if self.engine == "vllm":
+            from kvshare.demo.real_server import trace_config
+
+            return trace_mod.generate(
+                trace_config(
+                    seed=self.seed,
+                    duration_s=self.duration_s,
+                    models=self.models,
+                    gpu_memory_bytes=self.gpu_memory_bytes,
+                    patience_s=self.patience_s,
+                )
+            )
         config = trace_mod.TraceConfig(
             seed=self.seed,
             duration_s=self.duration_s,
@@ -249,6 +278,22 @@ def pick_metrics_port(preferred: int) -> tuple[int, bool]:
     raise DemoError("no free TCP port for the metrics endpoint")
 
 
+#: Pool settings of a real vLLM server on a demo GPU of tens of MiB: 256 KiB pages (1 MiB
+#: per page over the tiny model's 4 layers), lease growth in steps of 2 MiB and no pages
+#: kept ready (the runtime's defaults suit an 80 GiB GPU). A pool at its lease that wants
+#: a ready page asks the broker for more while it is short of nothing, and the broker
+#: takes that from a busy model.
+VLLM_POOL_ENV = {
+    "KVSHARE_PAGE_SIZE": str(256 * 2**10),
+    "KVSHARE_LEASE_CHUNK": str(2 * 2**20),
+    "KVSHARE_RESERVE_PAGES": "0",
+}
+#: A real server's guaranteed KV memory, in equal shares: a quiet model whose few requests
+#: must wait for the broker to reclaim memory from a busy one makes vLLM's engine spin on
+#: the cores the busy model computes on (on CPU the cores are the accelerator too).
+VLLM_MIN_SHARE = 0.25
+
+
 @dataclass
 class NodeAgent:
     """``kvshare node`` with one fake GPU, its broker socket and its metrics endpoint."""
@@ -262,16 +307,19 @@ class NodeAgent:
         cls, run_dir: Path, gpu_bytes: int, metrics_port: int, env: dict[str, str]
     ) -> NodeAgent:
         broker = run_dir / names.BROKER_SOCKET_NAME
+        # The node agent declares fake GPUs of 1 GiB or more: a smaller demo GPU (the real
+        # engines' tens of MiB) is a 1 GiB one that keeps the rest back as headroom.
+        declared = max(gpu_bytes, GIB)
         argv = [
             sys.executable,
             "-m",
             "kvshare.cli",
             "node",
             "--fake-gpus",
-            f"1x{format_bytes(gpu_bytes)}",
-            # The whole fake GPU is KV memory: the same total as the static partitions.
+            f"1x{format_bytes(declared)}",
+            # All the broker lends is KV memory: the same total as the static partitions.
             "--headroom",
-            "0",
+            str(declared - gpu_bytes),
             "--node-name",
             "kvshare-demo",
             "--broker-socket",
@@ -295,10 +343,12 @@ class NodeAgent:
             raise DemoError(f"the node agent's metrics name no GPU:\n{self.child.log_tail()}")
         return books[0].gpu
 
-    def pool_env(self, pod: str, *, kv_max: int, kv_min: int = 0) -> dict[str, str]:
+    def pool_env(
+        self, pod: str, *, kv_max: int, kv_min: int = 0, extra: dict[str, str] | None = None
+    ) -> dict[str, str]:
         """The ``KVSHARE_*`` environment of a pool leased by this agent's broker (what the
-        operator and the device plugin give a model-server pod)."""
-        return {
+        operator and the device plugin give a model-server pod), plus ``extra``."""
+        return (extra or {}) | {
             "KVSHARE_BROKER_SOCKET": str(self.broker_socket),
             "KVSHARE_GPU_UUIDS": self.gpu_uuid(),
             "KVSHARE_POD_NAMESPACE": "kvshare-demo",
@@ -415,6 +465,8 @@ def run_demo(options: DemoOptions, stream: TextIO = sys.stdout) -> DemoOutcome:
     children are stopped, so the servers' pools unmap while the plot is drawn.
     """
     began = time.monotonic()
+    if options.engine == "vllm":
+        _require_serving()
     trace = options.trace()
     config = trace.config
     options.output.mkdir(parents=True, exist_ok=True)
@@ -423,10 +475,12 @@ def run_demo(options: DemoOptions, stream: TextIO = sys.stdout) -> DemoOutcome:
     port, moved = pick_metrics_port(options.metrics_port)
     if moved:
         stream.write(f"port {options.metrics_port} is taken: metrics are served on :{port}\n")
+    kind = "real vLLM servers" if options.engine == "vllm" else "model servers"
+    together = "one world after the other" if options.engine == "vllm" else "both worlds at once"
     stream.write(
         f"Starting the node agent (one fake {format_bytes(config.gpu_memory_bytes)} GPU) and "
-        f"{2 * config.models} model servers ({config.models} static, {config.models} elastic)"
-        "...\n"
+        f"{2 * config.models} {kind} ({config.models} static, {config.models} elastic; "
+        f"{together})...\n"
     )
     stream.flush()
     messages: queue.Queue[Any] = queue.Queue()
@@ -439,17 +493,9 @@ def run_demo(options: DemoOptions, stream: TextIO = sys.stdout) -> DemoOutcome:
         node = NodeAgent.start(Path(run_dir), config.gpu_memory_bytes, port, base_env)
         started.append(node.child)
         share = config.gpu_memory_bytes // config.models
-        launch = _Launcher(options, trace_path, share, base_env, messages, started)
-        # Static servers need no broker: they import and set up while the agent starts.
-        servers: dict[tuple[Mode, int], _Child] = {
-            ("static", m): launch.server("static", m) for m in range(config.models)
-        }
-        node.wait_ready(time.monotonic() + STARTUP_TIMEOUT_S)
-        for model in range(config.models):
-            # No guaranteed minimum (kvCache.min 0) and no cap below the GPU: what a model
-            # holds beyond its running requests is the broker's fair share to decide.
-            env = node.pool_env(f"model-{model}", kv_max=config.gpu_memory_bytes)
-            servers[("elastic", model)] = launch.server("elastic", model, env)
+        launch = _Launcher(
+            options, trace_path, share, config.gpu_memory_bytes, base_env, messages, started, node
+        )
         view = LiveView(
             stream,
             duration_s=config.duration_s,
@@ -457,10 +503,24 @@ def run_demo(options: DemoOptions, stream: TextIO = sys.stdout) -> DemoOutcome:
             models=config.models,
             interactive=None if options.live else False,
         )
-        run = _Run(options, trace, node, servers, messages, view)
-        run.wait_ready()
-        stream.write(f"All pools up after {time.monotonic() - began:.1f} s; running.\n")
-        run.collect(run.start())
+        run = _Run(options, trace, node, {}, messages, view)
+        # Simulated servers run both worlds at once; real ones one world at a time.
+        worlds = [MODES] if options.engine == "sim" else [(mode,) for mode in MODES]
+        for modes in worlds:
+            servers: dict[tuple[Mode, int], _Child] = {}
+            if "static" in modes:
+                # Static servers need no broker: they set up while the agent starts.
+                servers |= {("static", m): launch.server("static", m) for m in range(config.models)}
+            node.wait_ready(time.monotonic() + options.startup_timeout_s)
+            if "elastic" in modes:
+                servers |= {
+                    ("elastic", m): launch.server("elastic", m) for m in range(config.models)
+                }
+            run.play(servers)
+            done_after = time.monotonic() - began
+            stream.write(f"{' and '.join(modes)} world done after {done_after:.0f} s\n")
+            if len(worlds) > 1:
+                _stop_all(list(servers.values()))  # its memory goes before the next world's
         outcome = run.outcome()
         outcome.bound = sharing_bound(trace)
         outcome.speed = options.speed
@@ -474,6 +534,21 @@ def run_demo(options: DemoOptions, stream: TextIO = sys.stdout) -> DemoOutcome:
     return outcome
 
 
+def _require_serving() -> None:
+    """Real engines need the serving environment and the tiny model (``make engines``)."""
+    from kvshare.demo.serving.environment import (
+        DEFAULT_SERVING,
+        ServingSetupError,
+        require_tiny_model,
+    )
+
+    try:
+        DEFAULT_SERVING.require()
+        require_tiny_model()
+    except ServingSetupError as exc:
+        raise DemoError(str(exc)) from None
+
+
 @dataclass
 class _Launcher:
     """Starts model-server processes and their reader threads."""
@@ -481,22 +556,41 @@ class _Launcher:
     options: DemoOptions
     trace_path: Path
     static_share: int
+    gpu_bytes: int
     base_env: dict[str, str]
     messages: queue.Queue[Any]
     started: list[_Child]
+    node: NodeAgent
 
-    def server(self, mode: Mode, model: int, env: dict[str, str] | None = None) -> _Child:
-        argv = [
-            *(sys.executable, "-m", "kvshare.demo.server", "--trace", str(self.trace_path)),
-            *("--model", str(model), "--mode", mode, "--sample-s", str(self.options.sample_s)),
-            *("--speed", str(self.options.speed)),
-        ]
+    def server(self, mode: Mode, model: int) -> _Child:
+        """One model server of ``mode``: simulated, or a real vLLM server (``engine``)."""
+        options = self.options
+        pod = f"model-{model}"
+        common = ["--trace", str(self.trace_path), "--model", str(model), "--mode", mode]
+        common += ["--sample-s", str(options.sample_s)]
+        extra: dict[str, str] | None = None
+        if options.engine == "vllm":
+            argv = [sys.executable, "-m", "kvshare.demo.real_server", *common]
+            argv += ["--cpu", str(model % (os.cpu_count() or 1)), "--pod", pod]
+            argv += ["--agent-metrics", self.node.metrics_url, "--log-dir", str(options.output)]
+            argv += ["--cache-root", str(options.output / "vllm-cache")]
+            argv += ["--startup-timeout", str(options.startup_timeout_s)]
+            extra = VLLM_POOL_ENV
+        else:
+            argv = [sys.executable, "-m", "kvshare.demo.server", *common]
+            argv += ["--speed", str(options.speed)]
+        env: dict[str, str] = {}
         if mode == "static":
             argv += ["--share-bytes", str(self.static_share)]
-        log_path = self.options.output / f"server-{mode}-{model}.log"
-        child = _spawn(
-            f"{mode} model-{model}", argv, log_path, {**self.base_env, **(env or {})}, pipes=True
-        )
+        else:
+            # No cap below the GPU, and no guaranteed minimum for the simulated engines
+            # (kvCache.min 0): what a model holds beyond its running requests is the
+            # broker's fair share to decide. Real servers keep a quarter share.
+            kv_min = int(self.static_share * VLLM_MIN_SHARE) if extra is not None else 0
+            env = self.node.pool_env(pod, kv_max=self.gpu_bytes, kv_min=kv_min, extra=extra)
+        log_path = options.output / f"server-{mode}-{model}.log"
+        environ = {**self.base_env, **env}
+        child = _spawn(f"{mode} model-{model}", argv, log_path, environ, pipes=True)
         self.started.append(child)
         assert child.process.stdout is not None
         threading.Thread(
@@ -548,29 +642,38 @@ class _Run:
             f"{child.name} failed: {why}\nlast lines of {child.log_path}:\n{child.log_tail()}"
         )
 
-    def wait_ready(self) -> None:
+    def play(self, servers: dict[tuple[Mode, int], _Child]) -> None:
+        """Run one world (or both at once): wait until its servers are up, give them one
+        start instant, collect until each has reported."""
+        self.servers |= servers
+        self.wait_ready(servers)
+        self.collect(servers, self.start(servers))
+
+    def wait_ready(self, servers: dict[tuple[Mode, int], _Child]) -> None:
         """Block until every server's pool is up."""
         ready: set[tuple[Mode, int]] = set()
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while len(ready) < len(self.servers):
+        deadline = time.monotonic() + self.options.startup_timeout_s
+        while len(ready) < len(servers):
             try:
                 key, message = self.messages.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
-                late = ", ".join(self.servers[k].name for k in self.servers if k not in ready)
+                late = ", ".join(servers[k].name for k in servers if k not in ready)
                 raise DemoError(f"timed out waiting for {late} to start") from None
+            if key not in servers:
+                continue  # the last words of an earlier world's server
             if message is None or message.get("kind") == "error":
                 raise self.fail(key, (message or {}).get("message", "exited during start-up"))
             if message.get("kind") == "ready":
                 ready.add(key)
 
-    def start(self) -> float:
+    def start(self, servers: dict[tuple[Mode, int], _Child]) -> float:
         """Give every server the same start instant; returns it."""
         start = time.monotonic() + 0.2
-        for child in self.servers.values():
+        for child in servers.values():
             assert child.process.stdin is not None
             child.process.stdin.write(json.dumps({"start": start}) + "\n")
             child.process.stdin.flush()
-        self.samples = {key: [] for key in self.servers}
+        self.samples |= {key: [] for key in servers}
         return start
 
     def check_broker(self, start: float) -> None:
@@ -607,15 +710,17 @@ class _Run:
         elif kind == "error":
             raise self.fail(key, message.get("message", "unknown error"))
 
-    def collect(self, start: float) -> None:
-        """Until every server has reported: messages, broker checks, the live view."""
+    def collect(self, servers: dict[tuple[Mode, int], _Child], start: float) -> None:
+        """Until every server has reported: messages, broker checks (while elastic servers
+        run), the live view."""
         config = self.trace.config
         footer = [f"metrics: {self.node.metrics_url}   output: {self.options.output}/"]
         next_scrape = next_view = 0.0
         deadline = start + config.duration_s / self.options.speed + FINISH_GRACE_S
-        while len(self.results) < len(self.servers):
+        books = any(mode == "elastic" for mode, _ in servers)
+        while any(key not in self.results for key in servers):
             now = time.monotonic()
-            if now >= next_scrape:
+            if books and now >= next_scrape:
                 self.check_broker(start)
                 next_scrape = now + 0.5
             if now >= next_view:
@@ -625,10 +730,11 @@ class _Run:
                 key, message = self.messages.get(timeout=0.1)
             except queue.Empty:
                 if time.monotonic() > deadline:
-                    late = [self.servers[k].name for k in self.servers if k not in self.results]
+                    late = [servers[k].name for k in servers if k not in self.results]
                     raise DemoError(f"no result from {', '.join(late)} in time") from None
                 continue
-            self.handle(key, message)
+            if key in servers:  # not the last words of an earlier world's server
+                self.handle(key, message)
         self.view.update(config.duration_s, self.latest, footer)
 
     def outcome(self) -> DemoOutcome:
@@ -669,8 +775,15 @@ def _write_results(outcome: DemoOutcome, path: Path) -> None:
     path.write_text(json.dumps(payload) + "\n", encoding="utf-8")
 
 
-def summary_table(comparison: Comparison) -> list[str]:
-    """The end-of-run table, per model and in total, both modes."""
+def _unit(gpu_bytes: int) -> tuple[int, str]:
+    """GiB for a GPU of a GiB or more, MiB below (the real engines' demo GPU)."""
+    return (GIB, "GiB") if gpu_bytes >= GIB else (2**20, "MiB")
+
+
+def summary_table(comparison: Comparison, gpu_bytes: int = GIB) -> list[str]:
+    """The end-of-run table, per model and in total, both modes (KV in GiB, or in MiB
+    on a GPU smaller than one)."""
+    unit, name = _unit(gpu_bytes)
     header = (
         f"{'run':<8} {'model':<8} {'served':>7} {'gave up':>7} {'offered':>7} {'p50 wait':>9} "
         f"{'p95 wait':>9} {'peak KV':>9} {'mean KV':>9} {'mean used':>9} {'preempt':>7} "
@@ -688,8 +801,8 @@ def summary_table(comparison: Comparison) -> list[str]:
         lines.append(
             f"{row.mode:<8} {model:<8} {row.served:>7} {row.abandoned:>7} {row.offered:>7} "
             f"{row.p50_wait_s:>8.2f}s {row.p95_wait_s:>8.2f}s "
-            f"{row.peak_kv / GIB:>5.2f} GiB {row.mean_kv / GIB:>5.2f} GiB "
-            f"{row.mean_used / GIB:>5.2f} GiB "
+            f"{row.peak_kv / unit:>5.2f} {name} {row.mean_kv / unit:>5.2f} {name} "
+            f"{row.mean_used / unit:>5.2f} {name} "
             f"{row.preemptions:>7} {row.reclaims:>8}"
         )
         if row.model is None:
@@ -713,12 +826,15 @@ def report_lines(outcome: DemoOutcome, options: DemoOptions) -> list[str]:
     config = outcome.trace.config
     comparison = outcome.comparison
     violations = [*outcome.broker_violations, *outcome.pool_violations]
+    engines = "real vLLM servers" if options.engine == "vllm" else "simulated engines"
+    unit, unit_name = _unit(config.gpu_memory_bytes)
     lines = [
         "",
         f"Same trace ({len(outcome.trace.requests)} requests, {config.models} models, "
-        f"{config.duration_s:g} s), same {config.gpu_memory_bytes / GIB:g} GiB GPU:",
+        f"{config.duration_s:g} s), same {config.gpu_memory_bytes / unit:g} {unit_name} GPU, "
+        f"{engines}:",
         "",
-        *summary_table(comparison),
+        *summary_table(comparison, config.gpu_memory_bytes),
         f"Elastic served {comparison.elastic.served} requests, static {comparison.static.served}"
         f": x{comparison.ratio:.2f}. Clients that gave up after {config.patience_s:g} s "
         f"without a first token: {comparison.static.abandoned} -> "
@@ -736,6 +852,11 @@ def report_lines(outcome: DemoOutcome, options: DemoOptions) -> list[str]:
         "--trace runs it again)",
         f"Metrics were served at {outcome.metrics_url}. Wall time {outcome.wall_s:.0f} s.",
     ]
+    if options.engine == "sim":
+        lines.append(
+            "These were simulated engines; `kvshare demo --engine vllm` runs the comparison "
+            "with real vLLM servers (vLLM's CPU build, set up by `make engines`)."
+        )
     lines += [f"PROBLEM: {problem}" for problem in outcome.problems]
     lines += [f"OVER-COMMITTED at {v.t:.2f} s: {v.what}" for v in violations[:10]]
     return lines

@@ -191,7 +191,7 @@ def _int64() -> Any:
 
 
 @dataclass
-class _Channel:
+class Channel:
     """The JSON-lines link to the orchestrator (the real stdout, kept from library output)."""
 
     out: IO[str]
@@ -201,11 +201,11 @@ class _Channel:
         self.out.flush()
 
 
-def _open_channel() -> _Channel:
+def open_channel() -> Channel:
     # Keep stdout for the protocol: anything else that prints goes to stderr.
     out = os.fdopen(os.dup(sys.stdout.fileno()), "w", encoding="utf-8")
     sys.stdout = sys.stderr
-    return _Channel(out)
+    return Channel(out)
 
 
 def _lease(mode: str, share_bytes: int | None, page_bytes: int) -> ReclaimCounter:
@@ -231,14 +231,14 @@ def _lease(mode: str, share_bytes: int | None, page_bytes: int) -> ReclaimCounte
     )
 
 
-def _wait_for_start(stdin: IO[str]) -> float:
+def wait_for_start(stdin: IO[str]) -> float:
     line = stdin.readline()
     if not line:
         raise SystemExit(0)  # the orchestrator went away before the start
     return float(json.loads(line)["start"])
 
 
-def serve(args: argparse.Namespace, channel: _Channel) -> None:
+def serve(args: argparse.Namespace, channel: Channel) -> None:
     """Run one server until its trace is over or the orchestrator closes stdin."""
     from kvshare.runtime.backends import open_backend
     from kvshare.runtime.pool import KVPool
@@ -266,7 +266,7 @@ def serve(args: argparse.Namespace, channel: _Channel) -> None:
         )
         pool.set_evictor(engine.prefix_cache)
         channel.send(json.dumps({"kind": "ready", "model": args.model, "mode": args.mode}))
-        start = _wait_for_start(sys.stdin)
+        start = wait_for_start(sys.stdin)
         clock = _Clock(engine, pool, lease, channel, args.sample_s, args.speed)
         stopped = clock.run(start, config.duration_s)
         waits, arrivals = engine.waits()
@@ -304,7 +304,7 @@ class _Clock:
     engine: EngineSim
     pool: KVPool
     lease: ReclaimCounter
-    channel: _Channel
+    channel: Channel
     sample_s: float
     speed: float
 
@@ -364,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
         format=f"%(asctime)s %(levelname)s {args.mode}-{args.model} %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    channel = _open_channel()
+    channel = open_channel()
     try:
         serve(args, channel)
     except Exception as exc:

@@ -145,12 +145,11 @@ def stream_complete(
         if response.status != 200:
             raise CompletionError(response.status, response.read().decode(errors="replace"))
         while True:
-            try:
-                line = response.readline()
-            except TimeoutError:
-                if ttft is None:
-                    return StreamedCompletion(200, (), None, time.monotonic() - started, True)
-                raise
+            if ttft is None and patience_s is not None and connection.sock is not None:
+                # Whatever comes before the first token, the patience runs from the send.
+                left = started + patience_s - time.monotonic()
+                connection.sock.settimeout(max(0.001, left))
+            line = response.readline()
             if not line:
                 break
             line = line.strip()
@@ -159,14 +158,18 @@ def stream_complete(
             data = line[5:].strip()
             if data == b"[DONE]":
                 break
-            chunk = json.loads(data)
-            for choice in chunk.get("choices", ()):
+            for choice in json.loads(data).get("choices", ()):
                 ids = choice.get("token_ids") or ()
                 if ids and ttft is None:
                     ttft = time.monotonic() - started
                     if connection.sock is not None:
                         connection.sock.settimeout(timeout_s)
                 tokens.extend(ids)
+    except TimeoutError:
+        if ttft is not None or patience_s is None:
+            raise
+        # The client gives up: closing the connection makes vLLM abort the request.
+        return StreamedCompletion(200, (), None, time.monotonic() - started, True)
     finally:
         connection.close()
     return StreamedCompletion(200, tuple(tokens), ttft, time.monotonic() - started, False)

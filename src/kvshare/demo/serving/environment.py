@@ -20,6 +20,7 @@ __all__ = [
     "checkout_root",
     "engines_dir",
     "find_serving",
+    "require_tiny_model",
     "tiny_model_dir",
 ]
 
@@ -90,6 +91,17 @@ class ServingEnvironment:
                 "run `make engines` in the kvshare checkout"
             )
         return python
+
+
+def require_tiny_model(root: Path | None = None) -> Path:
+    """The tiny model's folder, or :class:`ServingSetupError` saying how to build it."""
+    model = tiny_model_dir(root)
+    if not (model / "config.json").exists():
+        raise ServingSetupError(
+            f"the tiny model is not generated ({model} is missing): run `make engines` in "
+            "the kvshare checkout"
+        )
+    return model
 
 
 #: Every serving environment ``make engines`` builds, newest first.

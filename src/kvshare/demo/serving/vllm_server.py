@@ -1,7 +1,8 @@
 """Start and stop one real ``vllm serve``, with kvshare or without, as a user would run it.
 
-A :class:`VllmServer` runs the serving environment's own ``vllm serve`` command in a new
-process group, with its log in a file, and waits until the OpenAI API answers. With
+A :class:`VllmServer` runs the serving environment's own ``vllm serve`` command under a
+:mod:`~kvshare.demo.serving.supervisor` in a process group of its own, with its log in a
+file, and waits until the OpenAI API answers. With
 ``kvshare=True`` the engine gets kvshare the way a pod does: kvshare's ``sitecustomize`` on
 ``PYTHONPATH`` (the operator injects the runtime bundle; here the source tree's boot folder,
 or any bundle given as ``runtime``), ``KVSHARE_ENABLE=1`` and the pool's ``KVSHARE_*``
@@ -19,12 +20,12 @@ against 47-52 s cold) and a ``VLLM_CACHE_ROOT`` shared by the servers of one run
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -33,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 
+from kvshare.demo.serving import supervisor
 from kvshare.demo.serving.environment import (
     DEFAULT_SERVING,
     ServingEnvironment,
@@ -54,7 +56,10 @@ log = logging.getLogger(__name__)
 
 #: Name the servers give their model in the OpenAI API.
 MODEL_NAME = "tiny"
-_PR_SET_PDEATHSIG = 1
+#: Seconds from SIGTERM to SIGKILL of what is left of a server's tree.
+GRACE_S = 30.0
+alive = supervisor.alive
+descendants = supervisor.descendants
 #: Variables that would change what the engine does if inherited from the caller: a
 #: kvshare pool's settings, vLLM's legacy KV size (it wins over ``--kv-cache-memory-bytes``).
 _NOT_INHERITED_PREFIXES = ("KVSHARE_",)
@@ -78,43 +83,6 @@ def kvshare_runtime_path() -> list[Path]:
     engine hooks' boot folder (its ``sitecustomize``) and the source folder itself."""
     src = checkout_root() / "src"
     return [src / "kvshare" / "runtime" / "engines" / "boot", src]
-
-
-def _die_with_parent() -> None:
-    """In the child, before exec: get SIGKILL if the process that started it dies."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
-def descendants(pid: int) -> list[int]:
-    """Every live process below ``pid`` (children, their children, ...), from ``/proc``."""
-    parents: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        # The command name (field 2) may hold spaces and parentheses: split after it.
-        fields = stat.rsplit(")", 1)[1].split()
-        parents.setdefault(int(fields[1]), []).append(int(entry.name))
-    found: list[int] = []
-    todo = [pid]
-    while todo:
-        children = parents.get(todo.pop(), [])
-        found.extend(children)
-        todo.extend(children)
-    return found
-
-
-def alive(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie, which holds no memory or files, does not)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in {"Z", "X"}
 
 
 @dataclass(frozen=True)
@@ -237,14 +205,17 @@ class VllmServer:
         self.options.environment.require()
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("wb") as log_file:
+            # The supervisor (a script of the standard library only) ends the whole tree
+            # whatever happens to vLLM's processes or to this one; its own process group
+            # lets kill() reach every process at once.
+            command = [sys.executable, supervisor.__file__, "--grace", str(GRACE_S), "--"]
             self.process = subprocess.Popen(
-                self.options.argv(self.port),
+                [*command, *self.options.argv(self.port)],
                 stdin=subprocess.DEVNULL,
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
                 env=self.options.environ(os.environ),
-                start_new_session=True,  # its own process group: stop() ends the whole tree
-                preexec_fn=_die_with_parent,  # noqa: PLW1509 - only a prctl call, no locks
+                start_new_session=True,
             )
         self.started_at = time.monotonic()
         log.info("started %s (pid %d) on %s", self.name, self.process.pid, self.url)

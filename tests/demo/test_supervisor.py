@@ -1,0 +1,71 @@
+"""The supervisor of a real server's process tree: nothing of the tree outlives it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from kvshare.demo.serving import supervisor
+from tests.polling import wait_until
+
+#: A command that leaves an orphan behind: a child in a session of its own, then exits.
+LEAVES_AN_ORPHAN = (
+    "import subprocess, sys, time; "
+    "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)'], "
+    "start_new_session=True); print(p.pid, flush=True); time.sleep({wait})"
+)
+
+
+def start(wait: float, pidfile: Path) -> subprocess.Popen[bytes]:
+    with pidfile.open("wb") as out:
+        return subprocess.Popen(
+            [sys.executable, supervisor.__file__, "--grace", "2", "--",
+             sys.executable, "-c", LEAVES_AN_ORPHAN.format(wait=wait)],
+            stdout=out,
+        )  # fmt: skip
+
+
+def orphan_of(pidfile: Path) -> int:
+    def written() -> str:
+        return pidfile.read_text().strip() if pidfile.exists() else ""
+
+    return int(wait_until(written, 30, "the orphan's pid"))
+
+
+def test_what_a_command_leaves_behind_ends_with_it(tmp_path: Path) -> None:
+    pidfile = tmp_path / "pid"
+    process = start(0.5, pidfile)
+    orphan = orphan_of(pidfile)
+    assert process.wait(timeout=30) == 0  # the command's own status
+    assert not supervisor.alive(orphan), "the orphan outlived the supervisor"
+
+
+def test_sigterm_stops_the_command_and_ends_the_tree(tmp_path: Path) -> None:
+    pidfile = tmp_path / "pid"
+    process = start(300, pidfile)
+    orphan = orphan_of(pidfile)
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=30) == 128 + signal.SIGTERM
+    assert not supervisor.alive(orphan)
+
+
+def test_the_tree_ends_when_the_process_that_started_it_dies(tmp_path: Path) -> None:
+    pidfile = tmp_path / "pid"
+    launcher = subprocess.Popen(
+        [sys.executable, "-c",
+         "import subprocess, sys, time; "
+         f"subprocess.Popen([sys.executable, {supervisor.__file__!r}, '--grace', '2', '--', "
+         f"sys.executable, '-c', {LEAVES_AN_ORPHAN.format(wait=300)!r}], "
+         f"stdout=open({str(pidfile)!r}, 'wb')); time.sleep(300)"],
+    )  # fmt: skip
+    orphan = orphan_of(pidfile)
+    os.kill(launcher.pid, signal.SIGKILL)
+    launcher.wait()
+    deadline = time.monotonic() + 30
+    while supervisor.alive(orphan) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not supervisor.alive(orphan), "the tree outlived the process that started it"
