@@ -49,10 +49,11 @@ KV_MIN = 4 * MIB
 #: 256 KiB per layer buffer: a page id is 1 MiB of KV (8 blocks) over the 4 layers.
 PAGE_SIZE = 256 * 2**10
 #: A's burst asks for more than the GPU lends (12 x 24 blocks of 128 KiB = 36 MiB); B's for
-#: more than what A leaves it (8 x 16 blocks = 16 MiB); the cut leaves one request at a time.
+#: more than what A leaves it (8 x 16 blocks = 16 MiB).
 BURST_A = long_asks(seed=11, count=12, prompt=128, output=640)
 BURST_B = long_asks(seed=12, count=8, prompt=128, output=384)
-UNDER_THE_CUT = long_asks(seed=13, count=4, prompt=128, output=640)
+#: Each fits in the minimum alone (29 of its 32 blocks), four do not: after the cut they take turns.
+UNDER_THE_CUT = long_asks(seed=13, count=4, prompt=128, output=800)
 #: Long enough to watch the KV in use from both sides while it runs.
 AGREE = long_asks(seed=14, count=6, prompt=128, output=1024)
 #: One page id: a 256 KiB page in each of the 4 layers' buffers.
@@ -284,7 +285,7 @@ def test_a_lease_cut_to_the_minimum_under_long_requests_preempts_and_finishes(
         wait_until(lambda: colocated.pool(a).lease <= KV_MIN, 30, "A's lease to reach its minimum")
         done = running.result()
     _ctl(colocated.agent, "set-max", name, "none")
-    assert all(c.status == 200 and len(c.token_ids) == 640 for c in done)
+    assert all(c.status == 200 and len(c.token_ids) == 800 for c in done)
     assert tokens(done) == colocated.expected(UNDER_THE_CUT)
     assert total(scrape(f"{a.url}/metrics"), "vllm:num_preemptions_total") > preempted_before
 
