@@ -515,7 +515,7 @@ def _plot(outcome: DemoOutcome, path: Path) -> Path:
         path,
         outcome.results,
         outcome.comparison,
-        trace_mod.phases(config),
+        trace_mod.busy_windows(outcome.trace),
         gpu_bytes=config.gpu_memory_bytes,
         duration_s=config.duration_s,
     )

@@ -261,14 +261,14 @@ def serve(args: argparse.Namespace, channel: _Channel) -> None:
             requests,
             StampedBlocks(pool),
             block_tokens=config.block_tokens,
-            step_s=config.step_s,
+            cost=config.step_cost(),
             patience_s=config.patience_s,
         )
         pool.set_evictor(engine.prefix_cache)
         channel.send(json.dumps({"kind": "ready", "model": args.model, "mode": args.mode}))
         start = _wait_for_start(sys.stdin)
-        clock = _Clock(engine, pool, lease, channel, args.sample_s, args.speed)
-        stopped = clock.run(start, config.duration_s)
+        clock = _Clock(engine, pool, lease, channel, args.sample_s, args.speed, config.duration_s)
+        stopped = clock.run(start)
         waits, arrivals = engine.waits()
         result = ServerResult(
             mode=args.mode,
@@ -295,8 +295,8 @@ def serve(args: argparse.Namespace, channel: _Channel) -> None:
 class _Clock:
     """Steps the engine on the wall clock from the common start; samples as it goes.
 
-    The trace's time runs ``speed`` times as fast as the wall clock: a decode step of
-    ``step_s`` simulated seconds takes ``step_s / speed`` of wall time. Everything else
+    The trace's time runs ``speed`` times as fast as the wall clock: a step of ``t``
+    simulated seconds takes ``t / speed`` of wall time. Everything else
     (the broker, the pool's reserve thread, lease reports) keeps wall time, so their
     delays count ``speed`` times over in the trace's time.
     """
@@ -307,13 +307,15 @@ class _Clock:
     channel: _Channel
     sample_s: float
     speed: float
+    duration_s: float
 
     def sample(self) -> Sample:
         peak = self.lease.take_peak()
         snap = self.pool.snapshot()
         state = self.engine.sample()
         return Sample(
-            t=round(state.t, 4),
+            # The last step may end after the trace does: the run ends with the trace.
+            t=round(min(state.t, self.duration_s), 4),
             served=state.served,
             abandoned=self.engine.stats.abandoned,
             arrived=self.engine.stats.arrived,
@@ -327,21 +329,23 @@ class _Clock:
             reclaims=self.lease.reclaims,
         )
 
-    def run(self, start: float, duration_s: float) -> bool:
-        """Step until ``duration_s``; returns True when stdin closed first (stopped early)."""
-        engine = self.engine
+    def run(self, start: float) -> bool:
+        """Step until the trace's end; returns True when stdin closed first (stopped early)."""
+        engine, duration_s = self.engine, self.duration_s
         watcher = selectors.DefaultSelector()
         watcher.register(sys.stdin, selectors.EVENT_READ)
         next_sample = 0.0
         while True:
             engine.advance(min((time.monotonic() - start) * self.speed, duration_s))
+            if engine.clock >= duration_s - 1e-9:
+                self.channel.send(self.sample().to_json())  # the last one, at the end
+                return False
             if engine.clock >= next_sample - 1e-9:
                 self.channel.send(self.sample().to_json())
                 next_sample += self.sample_s
-            if engine.clock >= duration_s - 1e-9:
-                return False
-            due = start + (engine.clock + engine.step_s) / self.speed
-            wait = max(0.0, due - time.monotonic())
+            next_step = engine.next_step_at()
+            due_t = min(next_sample, duration_s if next_step is None else next_step)
+            wait = max(0.0, start + due_t / self.speed - time.monotonic())
             if watcher.select(timeout=wait) and not sys.stdin.readline():
                 return True
 
