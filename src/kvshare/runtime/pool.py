@@ -62,7 +62,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -203,6 +203,7 @@ class KVPool:
         lease_chunk_bytes: int = DEFAULT_LEASE_CHUNK_BYTES,
         report_interval_s: float = 5.0,
         lease_timeout_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if reserve_pages < 0:
             raise PoolError(f"reserve_pages must be >= 0, not {reserve_pages}")
@@ -212,6 +213,9 @@ class KVPool:
         self.ownership = ownership or LocalOwnership()
         self._reserve_pages = reserve_pages
         self._report_interval_s = report_interval_s
+        # Times the pool's rate limits (asking again, reporting) are kept on; a simulation
+        # without a background thread passes its own.
+        self._clock = clock
         page_bytes = geometry.page_bytes
         self._page_bytes = page_bytes
         self._block_bytes = geometry.block_bytes
@@ -822,7 +826,7 @@ class KVPool:
         total = min(-(-pages // chunk) * chunk, self._usable_pages) * self._page_bytes
         if total <= self._limit_bytes:
             return
-        now = time.monotonic()
+        now = self._clock()
         if total > self._wanted or now - self._wanted_at > _WANT_RETRY_S:
             self._wanted, self._wanted_at = total, now
             self.lease.want(total)
@@ -883,7 +887,7 @@ class KVPool:
 
     def _report(self, force: bool) -> None:
         usage = self.snapshot().usage()
-        now = time.monotonic()
+        now = self._clock()
         if (
             force
             or usage != self._last_report
