@@ -363,3 +363,12 @@ def test_threads_allocating_freeing_and_moving_the_lease_never_share_a_block(
     snap = pool.snapshot()
     assert snap.used_blocks == len(owners)
     assert sum(host(pool).mapped_ranges().values()) == snap.mapped
+
+
+def test_a_blocks_address_is_where_its_tensor_view_keeps_it(make_pool: PoolFactory) -> None:
+    pool = make_pool(GEOMETRY, StaticLease(4 * PAGE_BYTES))
+    (block,) = pool.alloc(1)  # type: ignore[misc]
+    view = pool.tensor(2)[0]
+    assert pool.block_address(2, block) == view[block].data_ptr()
+    with pytest.raises(ValueError, match="outside the pool's 256 blocks"):
+        pool.block_address(0, 256)

@@ -24,6 +24,7 @@ status 1.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import dataclasses
 import json
 import logging
@@ -35,7 +36,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING
 
 from kvshare.demo import trace as trace_mod
 from kvshare.demo.engine_sim import EngineSim
@@ -43,8 +44,6 @@ from kvshare.demo.stats import Sample, ServerResult
 from kvshare.runtime.lease import LeaseHolder, LeaseSource, PoolUsage
 
 if TYPE_CHECKING:
-    import torch
-
     from kvshare.runtime.geometry import KVGeometry
     from kvshare.runtime.pool import KVPool
 
@@ -150,15 +149,18 @@ class StampedBlocks:
 
     The first 8 bytes of a block in buffer 0 hold a number unique to the allocation that
     handed it out; :meth:`free` checks it is still there. A block handed to two owners, or
-    a page unmapped under a live block, fails loudly instead of passing unnoticed.
+    a page unmapped under a live block, fails loudly instead of passing unnoticed. The
+    stamps are written at the blocks' addresses (no torch: a server starts in a fraction
+    of a second and holds a few tens of MB, so dozens of them fit beside each other).
     """
 
     def __init__(self, pool: KVPool) -> None:
         self._pool = pool
-        # Buffer 0 as (num_blocks, block_bytes // 8) words: word 0 of each block is its stamp.
-        self._words: torch.Tensor = pool.tensor(0)[0].view(dtype=_int64())
         self._owner: dict[int, int] = {}
         self._next = 1
+
+    def _word(self, block: int) -> ctypes.c_int64:
+        return ctypes.c_int64.from_address(self._pool.block_address(0, block))
 
     def alloc(self, n: int) -> object:
         got = self._pool.alloc(n)
@@ -168,7 +170,7 @@ class StampedBlocks:
             for block in got:
                 if block in self._owner:
                     raise AssertionError(f"block {block} handed out twice")
-                self._words[block, 0] = stamp
+                self._word(block).value = stamp
                 self._owner[block] = stamp
         return got
 
@@ -178,16 +180,10 @@ class StampedBlocks:
             stamp = self._owner.pop(block, None)
             if stamp is None:
                 raise AssertionError(f"block {block} freed but not allocated")
-            found = int(self._words[block, 0])
+            found = self._word(block).value
             if found != stamp:
                 raise AssertionError(f"block {block} holds {found}, not its stamp {stamp}")
         self._pool.free(blocks)
-
-
-def _int64() -> Any:
-    import torch
-
-    return torch.int64
 
 
 @dataclass

@@ -48,6 +48,9 @@ class PageMapper(Protocol):
     def tensor(self, first: int, count: int) -> torch.Tensor:
         """A zero-copy view of buffers ``[first, first + count)``."""
 
+    def block_address(self, buffer: int, block: int) -> int:
+        """The virtual address of ``block`` in ``buffer``."""
+
     def close(self) -> None:
         """Unmap and release every page and give the virtual range back. Idempotent."""
 
@@ -194,6 +197,13 @@ class PageSpace:
                 self._flat = self.backend.tensor(self.base, self.geometry.virtual_bytes)
             flat = self._flat
         return flat.as_strided(shape, strides, offset)
+
+    def block_address(self, buffer: int, block: int) -> int:
+        """The virtual address of ``block`` in ``buffer`` (see :meth:`KVGeometry.buffer_view`)."""
+        offset, shape, strides = self.geometry.buffer_view(buffer, 1)
+        if not 0 <= block < shape[1]:
+            raise ValueError(f"block {block} is outside the pool's {shape[1]} blocks")
+        return self.base + offset + block * strides[1]
 
     def close(self) -> None:
         with self._lock:

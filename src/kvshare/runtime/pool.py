@@ -925,6 +925,12 @@ class KVPool:
         the last dimension, e.g. K and V of one layer as ``(2, num_blocks, ...)``."""
         return self._mapper.tensor(first_buffer, count)
 
+    def block_address(self, buffer: int, block: int) -> int:
+        """The virtual address of ``block`` in ``buffer``: for native code that takes KV
+        memory by address (and the demo's checks), without a torch view. Touching it is
+        valid only while the block is allocated."""
+        return self._mapper.block_address(buffer, block)
+
     def set_evictor(self, evictor: Evictor) -> None:
         """Register the engine's prefix cache (see :class:`Evictor`)."""
         self._evictor = evictor
