@@ -281,3 +281,16 @@ def test_a_client_whose_patience_runs_out_during_its_prefill_step_has_left(
     assert sim.stats.abandoned == 1 and sim.stats.served == 1
     assert sorted(sim.stats.waits_s) == [pytest.approx(0.12), 0.5]
     assert pool.snapshot().used_blocks == 0, "the dropped request's blocks came back"
+
+
+def test_a_preempted_request_recomputes_what_it_had_and_goes_on_from_there(
+    pools: list[KVPool],
+) -> None:
+    # 10 blocks; both start with 4 blocks (61 tokens) and grow until the newer is preempted
+    # (about 20 tokens out); the other finishes at step 100. Readmitted, the preempted one
+    # prefills its prompt and its tokens so far in one step and decodes only the rest: done
+    # at step 180, where starting again from its first token would take it to 200.
+    sim = engine(pools, 10, [req(0, 60, 100), req(1, 60, 100)])
+    run_to_end(sim)
+    assert sim.stats.preemptions == 1 and sim.stats.served == 2
+    assert sim.clock < 190 * STEP_S
