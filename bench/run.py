@@ -29,20 +29,35 @@ from report import write_report
 
 BENCH_DIR = Path(__file__).resolve().parent
 #: Every benchmark, in report order. Each is ``bench/<name>.py`` with ``run(quick)``.
-BENCHMARKS = ("placement", "vmm", "blocks", "broker", "deviceplugin", "operator", "elastic")
+BENCHMARKS = (
+    "placement",
+    "vmm",
+    "blocks",
+    "broker",
+    "deviceplugin",
+    "operator",
+    "elastic",
+    "elastic-suite",
+)
+
+
+def _path(name: str) -> Path:
+    """``bench/<name>.py``, dashes written as underscores."""
+    return BENCH_DIR / f"{name.replace('-', '_')}.py"
 
 
 def available() -> list[str]:
-    return [name for name in BENCHMARKS if (BENCH_DIR / f"{name}.py").exists()]
+    return [name for name in BENCHMARKS if _path(name).exists()]
 
 
 def load(name: str) -> ModuleType:
-    path = BENCH_DIR / f"{name}.py"
+    path = _path(name)
     if name not in BENCHMARKS or not path.exists():
         raise SystemExit(f"unknown benchmark {name!r}; available: {', '.join(available())}")
-    spec = importlib.util.spec_from_file_location(f"kvshare_bench_{name}", path)
+    spec = importlib.util.spec_from_file_location(f"kvshare_bench_{path.stem}", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while it loads
     spec.loader.exec_module(module)
     return module
 

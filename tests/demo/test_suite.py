@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 
 from kvshare.demo import suite, trace
-from kvshare.demo.trace import GIB
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +43,7 @@ def test_many_models_are_busy_at_overlapping_but_not_identical_times(
     for seed, models in ((0, 8), (1, 10), (2, 12)):
         made = traces[f"many-{seed}"]
         assert made.config.models == models
-        assert made.config.gpu_memory_bytes == models * GIB
+        assert made.config.share_blocks() == suite.SETUP.share_blocks()
         windows = trace.busy_windows(made)
         busy_models = {w.model for w in windows}
         assert len(busy_models) >= models // 2

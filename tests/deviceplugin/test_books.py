@@ -18,7 +18,7 @@ from kvshare.deviceplugin.books import (
     Send,
 )
 from kvshare.deviceplugin.inventory import GpuInfo
-from kvshare.deviceplugin.policy import GpuState, Policy, fair_shares
+from kvshare.deviceplugin.policy import FairShare, GpuState, Policy, fair_shares
 
 GIB = 2**30
 PAGE = 2 * 2**20
@@ -428,7 +428,7 @@ def run_node(node: Node, ops: list[tuple[object, ...]]) -> None:
 
 
 def test_an_engine_that_skipped_its_turn_makes_the_broker_reclaim_room_for_its_weights() -> None:
-    books = Books([GPU], headroom=GIB)
+    books = Books([GPU], headroom=GIB, policy=FairShare())
     borrower = admit(books, "borrower", 10, static=0, kv_min=0)
     books.want(borrower, 1, 14 * GIB, 0.0)
     late = books.admit(hello("late", static=4 * GIB, kv_min=GIB), 11, 1.0)
@@ -440,7 +440,7 @@ def test_an_engine_that_skipped_its_turn_makes_the_broker_reclaim_room_for_its_w
 
 def test_a_reclaim_into_blocks_in_use_stands_until_the_pool_has_released_them() -> None:
     events = RecordingEvents()
-    books = Books([GPU], headroom=GIB, reclaim_deadline_s=5.0, events=events)
+    books = Books([GPU], headroom=GIB, reclaim_deadline_s=5.0, events=events, policy=FairShare())
     a = admit(books, "a", 10, priority=1)
     books.want(a, 1, 8 * GIB, 0.0)
     books.report(a, Report(mapped=GIB, used=GIB, cached=0, reserved=0), 0.0)
@@ -468,7 +468,7 @@ def in_use(books: Books, pod: str, pid: int, nbytes: int, **overrides: object) -
 
 
 def test_what_a_reclaimed_pool_already_released_goes_on_before_the_rest() -> None:
-    books = Books([GPU], headroom=GIB)  # budget 11 GiB
+    books = Books([GPU], headroom=GIB, policy=FairShare())  # budget 11 GiB
     a = in_use(books, "a", 10, 11 * GIB)
     b = admit(books, "b", 11, kv_min=0)
     asked = reclaims(books.want(b, 1, 11 * GIB, 1.0))[a]
@@ -506,7 +506,9 @@ def test_idle_lease_of_a_quiet_pool_goes_to_a_waiter_in_one_round() -> None:
 
 
 def test_idle_lease_is_taken_before_blocks_in_use_whatever_the_priorities() -> None:
-    books = Books([GPU], headroom=GIB)  # three pools with 2 GiB static: budget 9 GiB
+    books = Books(
+        [GPU], headroom=GIB, policy=FairShare()
+    )  # three pools with 2 GiB static: budget 9 GiB
     low = admit(books, "low", 10, kv_min=0, priority=10)
     books.want(low, 1, 4 * GIB, 0.0)
     books.report(low, Report(mapped=4 * GIB, used=4 * GIB, cached=0, reserved=0), 0.0)
@@ -533,7 +535,7 @@ def test_a_drain_reaches_the_minimum_even_with_blocks_in_use_above_it() -> None:
 
 
 def test_memory_in_use_above_a_fair_share_is_reclaimed_down_to_the_share() -> None:
-    books = Books([GPU], headroom=GIB)  # budget 11 GiB
+    books = Books([GPU], headroom=GIB, policy=FairShare())  # budget 11 GiB
     a = in_use(books, "a", 10, 11 * GIB)
     b = admit(books, "b", 11, kv_min=0)
     asked = reclaims(books.want(b, 1, 8 * GIB, 1.0))

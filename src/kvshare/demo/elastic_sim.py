@@ -42,11 +42,11 @@ from kvshare.demo import suite as suite_mod
 from kvshare.demo import trace as trace_mod
 from kvshare.demo.bound import Bound, sharing_bound
 from kvshare.demo.engine_sim import EngineSim
-from kvshare.demo.server import LEASE_CHUNK_BYTES, demo_geometry
+from kvshare.demo.server import demo_geometry, lease_chunk_bytes
 from kvshare.demo.stats import percentile
 from kvshare.deviceplugin.books import Books, Send
 from kvshare.deviceplugin.inventory import GpuInfo
-from kvshare.deviceplugin.policy import POLICIES, policy
+from kvshare.deviceplugin.policy import DEFAULT_POLICY, POLICIES, policy_named
 from kvshare.runtime.backends.base import Backend, Reservations
 from kvshare.runtime.broker_client import DEFAULT_SLOW_START_WINDOW_S
 from kvshare.runtime.lease import LeaseHolder, LeaseSource, PoolUsage
@@ -68,7 +68,7 @@ LEASE_REPORT_INTERVAL_S = 0.05
 class SimOptions:
     """What the simulated node runs with."""
 
-    policy: str = "fair-share"
+    policy: str = DEFAULT_POLICY
     #: Every pool's kvCache.min, as a fraction of an equal share of the GPU.
     kv_min_share: float = 0.0
     #: Wall seconds a message takes from a pool to the broker or back (thread wake-ups
@@ -212,7 +212,7 @@ class _SimLease(LeaseSource):
     """One pool's lease over a delayed link to the simulated broker (the broker client's
     part: its conversation, its lease thread's timing)."""
 
-    def __init__(self, node: _Node, model: int, hello: Hello) -> None:
+    def __init__(self, node: _Node, model: int, hello: Hello, chunk: int) -> None:
         self._node = node
         self.model = model
         self.hello = hello
@@ -220,7 +220,7 @@ class _SimLease(LeaseSource):
         self.pool: KVPool | None = None
         self._holder: LeaseHolder | None = None
         self._talk = LeaseConversation(
-            chunk_bytes=LEASE_CHUNK_BYTES,
+            chunk_bytes=chunk,
             page_size=hello.page_size,
             kv_max=hello.kv_max,
             report_interval_s=LEASE_REPORT_INTERVAL_S,
@@ -297,7 +297,7 @@ class _Node:
             [gpu],
             headroom=0,
             reclaim_deadline_s=options.reclaim_deadline_s,
-            policy=policy(options.policy),
+            policy=policy_named(options.policy),
         )
         self.leases: dict[int, _SimLease] = {}
         self.pools: list[KVPool] = []
@@ -307,6 +307,7 @@ class _Node:
         self._starting = True
         granularity = mmap.PAGESIZE  # the host backend's, whose geometry the demo uses
         geometry = demo_geometry(config, granularity)
+        chunk = lease_chunk_bytes(config, geometry)
         share = config.gpu_memory_bytes // config.models
         kv_min = int(share * options.kv_min_share)
         for model in range(config.models):
@@ -322,13 +323,13 @@ class _Node:
                 pod=f"model-{model}",
                 engine="kvshare-demo",
             )
-            lease = _SimLease(self, model, hello)
+            lease = _SimLease(self, model, hello, chunk)
             pool = KVPool(
                 geometry,
                 _BookkeepingBackend(granularity),
                 lease,
                 background=False,
-                lease_chunk_bytes=LEASE_CHUNK_BYTES,
+                lease_chunk_bytes=chunk,
                 report_interval_s=POOL_REPORT_INTERVAL_S,
                 clock=self.clock.wall,
             )
@@ -465,7 +466,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.family and made.family not in args.family:
             continue
         bound = sharing_bound(made.trace)
-        for name in args.policy or ["fair-share"]:
+        for name in args.policy or [DEFAULT_POLICY]:
             options = SimOptions(
                 policy=name,
                 kv_min_share=args.kv_min_share,

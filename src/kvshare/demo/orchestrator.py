@@ -49,7 +49,6 @@ from kvshare.api.quantity import format_bytes
 from kvshare.demo import trace as trace_mod
 from kvshare.demo.bound import Bound, sharing_bound
 from kvshare.demo.stats import (
-    MODES,
     BookViolation,
     Comparison,
     Mode,
@@ -85,6 +84,15 @@ class DemoError(RuntimeError):
 
 
 @dataclass(frozen=True)
+class World:
+    """One of the runs side by side: static partitions, or elastic under a broker policy."""
+
+    name: str
+    mode: Mode
+    policy: str | None = None
+
+
+@dataclass(frozen=True)
 class DemoOptions:
     """What ``kvshare demo`` (and the ``elastic`` benchmark) run."""
 
@@ -103,6 +111,19 @@ class DemoOptions:
     sample_s: float = 0.5
     #: Trace seconds per wall-clock second (see :data:`DEFAULT_SPEED`).
     speed: float = DEFAULT_SPEED
+    #: One elastic world per broker policy, each with its own node agent (None: the node
+    #: agent's default policy). The first is the one the live view and the plot show.
+    policies: tuple[str | None, ...] = (None,)
+    #: Every elastic pool's kvCache.min, as a fraction of an equal share of the GPU.
+    kv_min_share: float = 0.0
+
+    def worlds(self) -> list[World]:
+        """The static world, then the elastic ones."""
+        elastic = [
+            World("elastic" if i == 0 else f"elastic-{policy}", "elastic", policy)
+            for i, policy in enumerate(self.policies)
+        ]
+        return [World("static", "static"), *elastic]
 
     def trace(self) -> trace_mod.Trace:
         """The trace to run: loaded from ``trace_file`` or generated from the options."""
@@ -141,6 +162,18 @@ class DemoOutcome:
     #: Trace seconds per wall-clock second the run used.
     speed: float = 1.0
     elastic_kv_series: list[tuple[float, int]] = field(default_factory=list)
+    comparisons: dict[str, Comparison] = field(default_factory=dict)
+    """Every elastic world against the static one, by world name (``comparison`` is the
+    first's)."""
+    policies: dict[str, str | None] = field(default_factory=dict)
+    """The broker policy of each elastic world (None: the node agent's default)."""
+    by_world: dict[str, list[ServerResult]] = field(default_factory=dict)
+    """Every world's results (``results`` holds the static world's and the first elastic
+    world's)."""
+
+    def results_of(self, world: str) -> list[ServerResult]:
+        """The results of one world (``static``, or an elastic world's name)."""
+        return self.by_world.get(world, [])
 
     @property
     def ok(self) -> bool:
@@ -259,8 +292,14 @@ class NodeAgent:
 
     @classmethod
     def start(
-        cls, run_dir: Path, gpu_bytes: int, metrics_port: int, env: dict[str, str]
+        cls,
+        run_dir: Path,
+        gpu_bytes: int,
+        metrics_port: int,
+        env: dict[str, str],
+        policy: str | None = None,
     ) -> NodeAgent:
+        run_dir.mkdir(exist_ok=True)
         broker = run_dir / names.BROKER_SOCKET_NAME
         argv = [
             sys.executable,
@@ -282,9 +321,11 @@ class NodeAgent:
             "--no-kube",
             "--device-plugin-dir",
             str(run_dir / "device-plugins"),
+            *(("--broker-policy", policy) if policy else ()),
         ]
         (run_dir / "device-plugins").mkdir(exist_ok=True)
-        child = _spawn("node agent", argv, run_dir / "node.log", env, pipes=False)
+        name = "node agent" + (f" ({policy})" if policy else "")
+        child = _spawn(name, argv, run_dir / "node.log", env, pipes=False)
         return cls(child, broker, f"http://127.0.0.1:{metrics_port}/metrics")
 
     def gpu_uuid(self) -> str:
@@ -423,10 +464,13 @@ def run_demo(options: DemoOptions, stream: TextIO = sys.stdout) -> DemoOutcome:
     port, moved = pick_metrics_port(options.metrics_port)
     if moved:
         stream.write(f"port {options.metrics_port} is taken: metrics are served on :{port}\n")
+    worlds = options.worlds()
+    elastic = [w for w in worlds if w.mode == "elastic"]
+    agents = "the node agent" if len(elastic) == 1 else f"{len(elastic)} node agents"
     stream.write(
-        f"Starting the node agent (one fake {format_bytes(config.gpu_memory_bytes)} GPU) and "
-        f"{2 * config.models} model servers ({config.models} static, {config.models} elastic)"
-        "...\n"
+        f"Starting {agents} (one fake {format_bytes(config.gpu_memory_bytes)} GPU each) and "
+        f"{len(worlds) * config.models} model servers ({config.models} per run: "
+        f"{', '.join(w.name for w in worlds)})...\n"
     )
     stream.flush()
     messages: queue.Queue[Any] = queue.Queue()
@@ -436,20 +480,29 @@ def run_demo(options: DemoOptions, stream: TextIO = sys.stdout) -> DemoOutcome:
         _children() as started,
     ):
         base_env = _child_env()
-        node = NodeAgent.start(Path(run_dir), config.gpu_memory_bytes, port, base_env)
-        started.append(node.child)
+        nodes: dict[str, NodeAgent] = {}
+        for index, world in enumerate(elastic):
+            # The first agent serves metrics on the chosen port, the others on free ones.
+            metrics = port if index == 0 else pick_metrics_port(0)[0]
+            place = Path(run_dir) / f"n{index}"
+            node = NodeAgent.start(place, config.gpu_memory_bytes, metrics, base_env, world.policy)
+            nodes[world.name] = node
+            started.append(node.child)
         share = config.gpu_memory_bytes // config.models
         launch = _Launcher(options, trace_path, share, base_env, messages, started)
-        # Static servers need no broker: they import and set up while the agent starts.
-        servers: dict[tuple[Mode, int], _Child] = {
-            ("static", m): launch.server("static", m) for m in range(config.models)
+        # Static servers need no broker: they import and set up while the agents start.
+        servers: dict[tuple[str, int], _Child] = {
+            ("static", m): launch.server(worlds[0], m) for m in range(config.models)
         }
-        node.wait_ready(time.monotonic() + STARTUP_TIMEOUT_S)
-        for model in range(config.models):
-            # No guaranteed minimum (kvCache.min 0) and no cap below the GPU: what a model
-            # holds beyond its running requests is the broker's fair share to decide.
-            env = node.pool_env(f"model-{model}", kv_max=config.gpu_memory_bytes)
-            servers[("elastic", model)] = launch.server("elastic", model, env)
+        kv_min = int(share * options.kv_min_share)
+        for world in elastic:
+            node = nodes[world.name]
+            node.wait_ready(time.monotonic() + STARTUP_TIMEOUT_S)
+            for model in range(config.models):
+                # No cap below the GPU, and a guaranteed minimum of kv_min_share of a share
+                # (0 by default): what a model holds beyond is the broker's to decide.
+                env = node.pool_env(f"model-{model}", kv_max=config.gpu_memory_bytes, kv_min=kv_min)
+                servers[(world.name, model)] = launch.server(world, model, env)
         view = LiveView(
             stream,
             duration_s=config.duration_s,
@@ -457,7 +510,7 @@ def run_demo(options: DemoOptions, stream: TextIO = sys.stdout) -> DemoOutcome:
             models=config.models,
             interactive=None if options.live else False,
         )
-        run = _Run(options, trace, node, servers, messages, view)
+        run = _Run(options, trace, nodes, servers, messages, view)
         run.wait_ready()
         stream.write(f"All pools up after {time.monotonic() - began:.1f} s; running.\n")
         run.collect(run.start())
@@ -485,23 +538,27 @@ class _Launcher:
     messages: queue.Queue[Any]
     started: list[_Child]
 
-    def server(self, mode: Mode, model: int, env: dict[str, str] | None = None) -> _Child:
+    def server(self, world: World, model: int, env: dict[str, str] | None = None) -> _Child:
         argv = [
             *(sys.executable, "-m", "kvshare.demo.server", "--trace", str(self.trace_path)),
-            *("--model", str(model), "--mode", mode, "--sample-s", str(self.options.sample_s)),
-            *("--speed", str(self.options.speed)),
+            *("--model", str(model), "--mode", world.mode, "--world", world.name),
+            *("--sample-s", str(self.options.sample_s), "--speed", str(self.options.speed)),
         ]
-        if mode == "static":
+        if world.mode == "static":
             argv += ["--share-bytes", str(self.static_share)]
-        log_path = self.options.output / f"server-{mode}-{model}.log"
+        log_path = self.options.output / f"server-{world.name}-{model}.log"
         child = _spawn(
-            f"{mode} model-{model}", argv, log_path, {**self.base_env, **(env or {})}, pipes=True
+            f"{world.name} model-{model}",
+            argv,
+            log_path,
+            {**self.base_env, **(env or {})},
+            pipes=True,
         )
         self.started.append(child)
         assert child.process.stdout is not None
         threading.Thread(
             target=_read_lines,
-            args=((mode, model), child.process.stdout, self.messages),
+            args=((world.name, model), child.process.stdout, self.messages),
             daemon=True,
         ).start()
         return child
@@ -530,19 +587,20 @@ class _Run:
 
     options: DemoOptions
     trace: trace_mod.Trace
-    node: NodeAgent
-    servers: dict[tuple[Mode, int], _Child]
+    nodes: dict[str, NodeAgent]
+    """The node agent of each elastic world, by world name."""
+    servers: dict[tuple[str, int], _Child]
     messages: queue.Queue[Any]
     view: LiveView
-    samples: dict[tuple[Mode, int], list[Sample]] = field(default_factory=dict)
-    latest: dict[tuple[Mode, int], Sample] = field(default_factory=dict)
-    results: dict[tuple[Mode, int], ServerResult] = field(default_factory=dict)
+    samples: dict[tuple[str, int], list[Sample]] = field(default_factory=dict)
+    latest: dict[tuple[str, int], Sample] = field(default_factory=dict)
+    results: dict[tuple[str, int], ServerResult] = field(default_factory=dict)
     broker_violations: list[BookViolation] = field(default_factory=list)
-    elastic_kv_series: list[tuple[float, int]] = field(default_factory=list)
+    kv_series: dict[str, list[tuple[float, int]]] = field(default_factory=dict)
     checks: int = 0
     overdue_reclaims: int = 0
 
-    def fail(self, key: tuple[Mode, int], why: str) -> DemoError:
+    def fail(self, key: tuple[str, int], why: str) -> DemoError:
         child = self.servers[key]
         return DemoError(
             f"{child.name} failed: {why}\nlast lines of {child.log_path}:\n{child.log_tail()}"
@@ -550,7 +608,7 @@ class _Run:
 
     def wait_ready(self) -> None:
         """Block until every server's pool is up."""
-        ready: set[tuple[Mode, int]] = set()
+        ready: set[tuple[str, int]] = set()
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while len(ready) < len(self.servers):
             try:
@@ -574,25 +632,26 @@ class _Run:
         return start
 
     def check_broker(self, start: float) -> None:
-        """One snapshot of the broker's books from its metrics."""
-        text = scrape(self.node.metrics_url)
-        if text is None:
-            return
-        self.checks += 1
+        """One snapshot of every broker's books from its metrics."""
         t = round((time.monotonic() - start) * self.options.speed, 3)
-        for books in broker_books(text):
-            self.elastic_kv_series.append((t, books.charged))
-            self.overdue_reclaims = max(self.overdue_reclaims, books.overdue)
-            if books.charged > books.budget:
-                self.broker_violations.append(
-                    BookViolation(
-                        t,
-                        f"GPU {books.gpu}: pools charged {books.charged} bytes, over the "
-                        f"budget of {books.budget}",
+        for world, node in self.nodes.items():
+            text = scrape(node.metrics_url)
+            if text is None:
+                continue
+            self.checks += 1
+            for books in broker_books(text):
+                self.kv_series.setdefault(world, []).append((t, books.charged))
+                self.overdue_reclaims = max(self.overdue_reclaims, books.overdue)
+                if books.charged > books.budget:
+                    self.broker_violations.append(
+                        BookViolation(
+                            t,
+                            f"{world}: GPU {books.gpu}: pools charged {books.charged} bytes, "
+                            f"over the budget of {books.budget}",
+                        )
                     )
-                )
 
-    def handle(self, key: tuple[Mode, int], message: dict[str, Any] | None) -> None:
+    def handle(self, key: tuple[str, int], message: dict[str, Any] | None) -> None:
         if message is None:
             if key not in self.results:
                 raise self.fail(key, "exited before reporting its result")
@@ -610,7 +669,7 @@ class _Run:
     def collect(self, start: float) -> None:
         """Until every server has reported: messages, broker checks, the live view."""
         config = self.trace.config
-        footer = [f"metrics: {self.node.metrics_url}   output: {self.options.output}/"]
+        footer = [f"metrics: {self.first.metrics_url}   output: {self.options.output}/"]
         next_scrape = next_view = 0.0
         deadline = start + config.duration_s / self.options.speed + FINISH_GRACE_S
         while len(self.results) < len(self.servers):
@@ -619,7 +678,8 @@ class _Run:
                 self.check_broker(start)
                 next_scrape = now + 0.5
             if now >= next_view:
-                self.view.update(max(0.0, now - start) * self.options.speed, self.latest, footer)
+                elapsed = max(0.0, now - start) * self.options.speed
+                self.view.update(elapsed, self._shown(), footer)
                 next_view = now + 0.25
             try:
                 key, message = self.messages.get(timeout=0.1)
@@ -629,22 +689,47 @@ class _Run:
                     raise DemoError(f"no result from {', '.join(late)} in time") from None
                 continue
             self.handle(key, message)
-        self.view.update(config.duration_s, self.latest, footer)
+        self.view.update(config.duration_s, self._shown(), footer)
+
+    @property
+    def first(self) -> NodeAgent:
+        """The node agent of the first elastic world (the one the view shows)."""
+        return next(iter(self.nodes.values()))
+
+    def _shown(self) -> dict[tuple[Mode, int], Sample]:
+        """The latest samples of the static world and the first elastic one."""
+        first = next(iter(self.nodes))
+        shown: dict[tuple[Mode, int], Sample] = {}
+        for (world, model), sample in self.latest.items():
+            if world == "static":
+                shown[("static", model)] = sample
+            elif world == first:
+                shown[("elastic", model)] = sample
+        return shown
 
     def outcome(self) -> DemoOutcome:
-        keys = sorted(self.results, key=lambda k: (MODES.index(k[0]), k[1]))
-        ordered = [self.results[key] for key in keys]
+        static = [self.results[k] for k in sorted(self.results) if k[0] == "static"]
+        comparisons: dict[str, Comparison] = {}
+        mine: dict[str, list[ServerResult]] = {}
+        for world in self.nodes:
+            mine[world] = [self.results[k] for k in sorted(self.results) if k[0] == world]
+            comparisons[world] = compare(static + mine[world], self.kv_series.get(world, []))
+        first = next(iter(self.nodes))
+        everything = static + [r for world in self.nodes for r in mine[world]]
         return DemoOutcome(
             trace=self.trace,
-            results=ordered,
-            comparison=compare(ordered, self.elastic_kv_series),
-            pool_violations=check_pool_books(ordered),
+            results=static + mine[first],
+            comparison=comparisons[first],
+            pool_violations=check_pool_books(everything),
             broker_violations=self.broker_violations,
-            problems=[p for r in ordered for p in check_consistency(r)],
-            metrics_url=self.node.metrics_url,
+            problems=[p for r in everything for p in check_consistency(r)],
+            metrics_url=self.first.metrics_url,
             broker_checks=self.checks,
             overdue_reclaims=self.overdue_reclaims,
-            elastic_kv_series=self.elastic_kv_series,
+            elastic_kv_series=self.kv_series.get(first, []),
+            comparisons=comparisons,
+            policies={w.name: w.policy for w in self.options.worlds() if w.mode == "elastic"},
+            by_world={"static": static, **mine},
         )
 
 
@@ -664,6 +749,16 @@ def _write_results(outcome: DemoOutcome, path: Path) -> None:
         "wall_s": outcome.wall_s,
         "speed": outcome.speed,
         "elastic_kv_series": outcome.elastic_kv_series,
+        "worlds": {
+            name: {
+                "policy": outcome.policies.get(name),
+                "ratio": comparison.ratio,
+                "static": asdict(comparison.static),
+                "elastic": asdict(comparison.elastic),
+                "per_model": [asdict(s) for s in comparison.per_model],
+            }
+            for name, comparison in outcome.comparisons.items()
+        },
         "servers": [asdict(r) for r in outcome.results],
     }
     path.write_text(json.dumps(payload) + "\n", encoding="utf-8")
@@ -708,6 +803,19 @@ def _bound_lines(outcome: DemoOutcome) -> list[str]:
     ]
 
 
+def _other_world_lines(outcome: DemoOutcome) -> list[str]:
+    """One line per elastic world beyond the first (the table shows the first)."""
+    lines = []
+    for name, comparison in list(outcome.comparisons.items())[1:]:
+        policy = outcome.policies.get(name) or "the default"
+        lines.append(
+            f"Elastic under broker policy {policy}: served {comparison.elastic.served}, "
+            f"x{comparison.ratio:.2f}; gave up {comparison.elastic.abandoned}; p95 queueing "
+            f"delay {comparison.elastic.p95_wait_s:.2f} s."
+        )
+    return lines
+
+
 def report_lines(outcome: DemoOutcome, options: DemoOptions) -> list[str]:
     """What the demo prints at the end: the table, the verdict, the checks, the files."""
     config = outcome.trace.config
@@ -725,6 +833,7 @@ def report_lines(outcome: DemoOutcome, options: DemoOptions) -> list[str]:
         f"{comparison.elastic.abandoned}. p95 queueing delay "
         f"{comparison.static.p95_wait_s:.2f} s -> {comparison.elastic.p95_wait_s:.2f} s.",
         *_bound_lines(outcome),
+        *_other_world_lines(outcome),
         f"Memory books: {outcome.broker_checks} snapshots of the broker's books and every "
         f"pool sample checked: {len(violations)} over-commitments. Reclaims past the "
         f"broker's deadline: {outcome.overdue_reclaims}.",

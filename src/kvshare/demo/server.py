@@ -56,9 +56,16 @@ DEMO_LAYERS = 32
 #: 4 GiB demo GPU keeps a similar granularity with 256 KiB pages (256 logical pages).
 MIN_PAGES_PER_GPU = 256
 MAX_PAGE_SIZE = 2 * 2**20
-#: Lease growth step of an elastic pool: the runtime's default (256 MiB, a third of a
-#: percent of an 80 GiB GPU) scaled to a 4 GiB demo GPU, rounded up to one logical page.
-LEASE_CHUNK_BYTES = 16 * 2**20
+#: Lease growth step of an elastic pool, as a fraction of the GPU: the runtime's default
+#: (256 MiB, a 320th of an 80 GiB GPU), rounded up to one logical page (16 MiB on the
+#: demo's 4 GiB GPU).
+LEASE_CHUNK_SHARE = 1 / 320
+
+
+def lease_chunk_bytes(config: trace_mod.TraceConfig, geometry: KVGeometry) -> int:
+    """The lease growth step of an elastic pool on the trace's GPU."""
+    page = geometry.page_bytes
+    return max(page, -(-int(config.gpu_memory_bytes * LEASE_CHUNK_SHARE) // page) * page)
 
 
 class DemoConfigError(ValueError):
@@ -204,7 +211,7 @@ def _open_channel() -> _Channel:
     return _Channel(out)
 
 
-def _lease(mode: str, share_bytes: int | None, page_bytes: int) -> ReclaimCounter:
+def _lease(mode: str, share_bytes: int | None, page_bytes: int, chunk: int) -> ReclaimCounter:
     """A static equal share, or the broker's lease with this pool's policy and identity
     from the ``KVSHARE_*`` environment (as a model-server pod gets them)."""
     if mode == "static":
@@ -222,7 +229,7 @@ def _lease(mode: str, share_bytes: int | None, page_bytes: int) -> ReclaimCounte
             gpu_for_rank(0),
             policy=policy,
             identity=PoolIdentity.from_env(engine="kvshare-demo"),
-            chunk_bytes=LEASE_CHUNK_BYTES,
+            chunk_bytes=chunk,
         )
     )
 
@@ -244,12 +251,13 @@ def serve(args: argparse.Namespace, channel: _Channel) -> None:
     requests = trace.for_model(args.model)
     backend = open_backend("host")
     geometry = demo_geometry(config, backend.granularity)
-    lease = _lease(args.mode, args.share_bytes, geometry.page_bytes)
+    chunk = lease_chunk_bytes(config, geometry)
+    lease = _lease(args.mode, args.share_bytes, geometry.page_bytes, chunk)
     pool = KVPool(
         geometry,
         backend,
         lease,
-        lease_chunk_bytes=LEASE_CHUNK_BYTES,
+        lease_chunk_bytes=chunk,
         report_interval_s=0.5,
     )
     try:
@@ -268,6 +276,7 @@ def serve(args: argparse.Namespace, channel: _Channel) -> None:
         waits, arrivals = engine.waits()
         result = ServerResult(
             mode=args.mode,
+            world=args.world or args.mode,
             model=args.model,
             offered=len(requests),
             arrived=engine.stats.arrived,
@@ -351,6 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trace", required=True, help="trace file written by the orchestrator")
     parser.add_argument("--model", type=int, required=True, help="index of this model")
     parser.add_argument("--mode", choices=("static", "elastic"), required=True)
+    parser.add_argument("--world", default="", help="the run it belongs to (default: its mode)")
     parser.add_argument("--share-bytes", type=int, help="static lease (--mode static)")
     parser.add_argument(
         "--sample-s", type=float, default=0.25, help="trace seconds between samples"

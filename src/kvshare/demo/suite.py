@@ -2,9 +2,9 @@
 
 kvshare's default trace (:func:`kvshare.demo.trace.generate`) staggers one burst per model,
 which is what elastic sharing is best at. The suite holds it against traffic it was not
-tuned on. Every family keeps the default's serving setup (an 8B-class model's KV per
-token, 16-token blocks, the simulated engine's step cost, clients that leave after 10 s
-without a first token, 1 GiB of KV memory per model on the GPU) and the default's
+tuned on. Every family keeps the default's serving setup (16-token blocks, the simulated
+engine's step cost, clients that leave after 10 s without a first token, an equal share of
+512 blocks per model on the GPU) and the default's
 chat-like lengths unless it says otherwise, and states its load, as the default does,
 relative to what one model's static equal share serves (``share_capacity_rps``).
 Arrivals are Poisson within windows of constant rate; each model draws from its own
@@ -30,7 +30,7 @@ Families (parameters, and why):
   drawn per model), its peak shifted by up to a sixth of the day per model (user bases
   in nearby time zones). Peaks largely coincide, so there is little to gain and the
   point is to lose nothing.
-- ``long-context`` — 4 models, 90 s, with 2 GiB of KV memory each: prompts of a median
+- ``long-context`` — 4 models, 90 s, with twice the KV memory each: prompts of a median
   2,048 tokens with a heavy tail (sigma 1.0, up to 12,000), outputs of a median 256
   (up to 2,048), a fifth of them with the system prompt; Markov bursts as in ``many``
   (busy 15 s, quiet 30 s). Retrieval-augmented and document workloads: few requests,
@@ -38,6 +38,13 @@ Families (parameters, and why):
 
 Every trace records its family and parameters in :attr:`Trace.source` and saves as a
 normal trace file (``kvshare demo --trace FILE`` runs it).
+
+Memory scale: the suite runs three worlds of up to twelve models at once, and the demo's
+host memory stands in for GPU memory page for page, so its traces are written at an
+eighth of the demo's bytes (:data:`SETUP`: 16 KiB of KV per token, 128 MiB per model
+instead of 128 KiB and 1 GiB). Nothing else moves: a share holds the same 512 blocks, a
+page the same 8 blocks, a lease chunk the same one page, so the engines, the pools and
+the broker do exactly what they would at full size.
 """
 
 from __future__ import annotations
@@ -49,7 +56,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvshare.demo.trace import (
-    GIB,
     LengthMix,
     Trace,
     TraceConfig,
@@ -61,7 +67,12 @@ from kvshare.demo.trace import (
     share_capacity_rps,
 )
 
-__all__ = ["FAMILIES", "Family", "SuiteTrace", "make", "suite"]
+__all__ = ["FAMILIES", "SETUP", "Family", "SuiteTrace", "make", "suite"]
+
+#: The suite's serving setup: the demo's, at an eighth of its bytes (see the module doc).
+SETUP = dataclasses.replace(
+    TraceConfig(), kv_bytes_per_token=16 * 2**10, gpu_memory_bytes=512 * 2**20
+)
 
 Rows = list[tuple[float, int, int, int, int]]
 
@@ -88,6 +99,11 @@ class SuiteTrace:
     @property
     def name(self) -> str:
         return f"{self.family}-{self.seed}"
+
+
+def _per_model(base: TraceConfig) -> int:
+    """The KV memory of one model's equal share in the base setup."""
+    return base.gpu_memory_bytes // base.models
 
 
 def _markov_windows(
@@ -145,7 +161,7 @@ def dominant(seed: int, base: TraceConfig) -> Trace:
     """One model with 40-60 % of the requests beside five bursty ones (module doc)."""
     models = 6
     config = dataclasses.replace(
-        base, seed=seed, duration_s=60.0, models=models, gpu_memory_bytes=models * GIB
+        base, seed=seed, duration_s=60.0, models=models, gpu_memory_bytes=models * _per_model(base)
     )
     share = random.Random(f"dominant:{seed}").uniform(0.4, 0.6)
     rows = _markov_rows(
@@ -175,7 +191,7 @@ def many(seed: int, base: TraceConfig) -> Trace:
     """8-12 Markov-modulated models whose bursts overlap in part (module doc)."""
     models = (8, 10, 12)[seed % 3]
     config = dataclasses.replace(
-        base, seed=seed, duration_s=90.0, models=models, gpu_memory_bytes=models * GIB
+        base, seed=seed, duration_s=90.0, models=models, gpu_memory_bytes=models * _per_model(base)
     )
     rows = _markov_rows(
         config,
@@ -195,7 +211,7 @@ def diurnal(seed: int, base: TraceConfig) -> Trace:
     """A compressed day: every model rises and falls, peaks nearly together (module doc)."""
     models = 6
     config = dataclasses.replace(
-        base, seed=seed, duration_s=120.0, models=models, gpu_memory_bytes=models * GIB
+        base, seed=seed, duration_s=120.0, models=models, gpu_memory_bytes=models * _per_model(base)
     )
     step_s = 2.0
     rows: Rows = []
@@ -231,7 +247,7 @@ def long_context(seed: int, base: TraceConfig) -> Trace:
         seed=seed,
         duration_s=90.0,
         models=models,
-        gpu_memory_bytes=2 * models * GIB,
+        gpu_memory_bytes=2 * models * _per_model(base),
         prompt=LengthMix(2048, 1.0, 128, 12_000),
         output=LengthMix(256, 0.9, 16, 2048),
         prefix_share=0.2,
@@ -263,17 +279,17 @@ FAMILIES: tuple[Family, ...] = (
 
 
 def make(family: str, seed: int, base: TraceConfig | None = None) -> Trace:
-    """One trace of a family (``base``: the serving setup, default the demo's); ValueError
-    names the families."""
+    """One trace of a family (``base``: the serving setup, default :data:`SETUP`);
+    ValueError names the families."""
     for known in FAMILIES:
         if known.name == family:
-            return known.make(seed, base or TraceConfig())
+            return known.make(seed, base or SETUP)
     raise ValueError(
         f"unknown trace family {family!r}; known: {', '.join(f.name for f in FAMILIES)}"
     )
 
 
 def suite(base: TraceConfig | None = None) -> list[SuiteTrace]:
-    """Every trace of the suite (``base``: the serving setup, default the demo's)."""
-    setup = base or TraceConfig()
+    """Every trace of the suite (``base``: the serving setup, default :data:`SETUP`)."""
+    setup = base or SETUP
     return [SuiteTrace(f.name, seed, f.make(seed, setup)) for f in FAMILIES for seed in f.seeds]

@@ -21,6 +21,7 @@ from kvshare.deviceplugin.audit import Auditor
 from kvshare.deviceplugin.broker import Broker, BrokerConfig
 from kvshare.deviceplugin.inventory import GpuInfo, Inventory, open_inventory
 from kvshare.deviceplugin.metrics import MetricsServer, NodeMetrics
+from kvshare.deviceplugin.policy import DEFAULT_POLICY
 
 __all__ = ["AgentConfig", "NodeAgent"]
 
@@ -46,6 +47,7 @@ class AgentConfig:
     kubeconfig: str | None = None
     publish_interval_s: float = 10.0
     reclaim_deadline_s: float = 10.0
+    broker_policy: str = DEFAULT_POLICY
     startup_hold_s: float = 600.0
     recovery_s: float = 10.0
     audit_interval_s: float = 2.0
@@ -133,6 +135,7 @@ class NodeAgent:
                 state_path=config.state_file,
                 headroom=config.headroom,
                 reclaim_deadline_s=config.reclaim_deadline_s,
+                policy=config.broker_policy,
                 turn_hold_s=config.startup_hold_s,
                 recovery_s=config.recovery_s,
             ),

@@ -58,7 +58,7 @@ from kvshare.api.wire import (
 )
 from kvshare.deviceplugin.admission import hello_problem, no_fit
 from kvshare.deviceplugin.inventory import GpuInfo
-from kvshare.deviceplugin.policy import FairShare, Policy
+from kvshare.deviceplugin.policy import DEFAULT_POLICY, Policy, policy_named
 from kvshare.deviceplugin.records import (
     BrokerEvents,
     ExpectedPool,
@@ -140,7 +140,7 @@ class Books:
         self._orphan_grace_s = orphan_grace_s
         self._orphan_wait_s = orphan_wait_s
         self._events = events or BrokerEvents()
-        self._policy: Policy = policy or FairShare()
+        self._policy: Policy = policy or policy_named(DEFAULT_POLICY)
         self._next_pool_id = 1
         self._next_seq = 1
         self._recovery = Recovery(self._gpus, expected, recovery_deadline)
@@ -361,6 +361,7 @@ class Books:
         if pool.kv_max is not None:
             asked = min(asked, pool.kv_max)
         pool.want = max(asked, pool.floor)
+        pool.wanted_at = now
         target = gpu.cap(pool)
         reason: str | None = None
         if pool.reclaim is not None:
@@ -443,8 +444,9 @@ class Books:
         # A pending reclaim stands even when blocks are in use above its target: the pool
         # releases them as their requests finish (see the module doc).
         if not self.recovering and self._waiting(gpu):
-            # Usage moved: what other pools may be asked to give back moved with it.
-            return self._rebalance(gpu, now)
+            # Usage moved: who the policy grows, and what other pools may be asked to give
+            # back, moved with it.
+            return self._serve(gpu, now)
         return []
 
     def remove(self, pool_id: int, why: str, now: float) -> list[Send]:

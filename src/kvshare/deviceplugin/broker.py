@@ -52,6 +52,7 @@ from kvshare.api.wire import (
 from kvshare.deviceplugin import admin, peers
 from kvshare.deviceplugin.books import Books, BrokerEvents, ExpectedPool, Send
 from kvshare.deviceplugin.inventory import GpuInfo
+from kvshare.deviceplugin.policy import DEFAULT_POLICY, policy_named
 from kvshare.deviceplugin.state import load_expected, save_pools
 from kvshare.deviceplugin.views import BooksView
 
@@ -79,6 +80,8 @@ class BrokerConfig:
     state_path: Path | None = None
     headroom: int = 512 * 2**20
     reclaim_deadline_s: float = 10.0
+    policy: str = DEFAULT_POLICY
+    """The broker policy's name (:data:`kvshare.deviceplugin.policy.POLICIES`)."""
     turn_hold_s: float = 600.0
     orphan_grace_s: float = 0.5
     orphan_wait_s: float = 10.0
@@ -145,6 +148,7 @@ class Broker:
                 self._gpus,
                 headroom=self.config.headroom,
                 reclaim_deadline_s=self.config.reclaim_deadline_s,
+                policy=policy_named(self.config.policy),
                 turn_hold_s=self.config.turn_hold_s,
                 orphan_grace_s=self.config.orphan_grace_s,
                 orphan_wait_s=self.config.orphan_wait_s,

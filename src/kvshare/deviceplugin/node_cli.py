@@ -11,6 +11,7 @@ from pathlib import Path
 
 from kvshare.api import env, names
 from kvshare.api.quantity import QuantityError, parse_bytes
+from kvshare.deviceplugin.policy import DEFAULT_POLICY, POLICIES
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     broker.add_argument(
         "--state-file", type=Path, metavar="PATH",
         help="restart file of the broker (default: broker.state next to the broker)",
+    )  # fmt: skip
+    broker.add_argument(
+        "--broker-policy", choices=sorted(POLICIES), default=DEFAULT_POLICY, metavar="NAME",
+        help=f"who gets memory and what is reclaimed from whom: {', '.join(sorted(POLICIES))} "
+        f"(default {DEFAULT_POLICY})",
     )  # fmt: skip
     broker.add_argument(
         "--reclaim-deadline", type=float, default=10.0, metavar="SECONDS",
@@ -127,6 +133,7 @@ def run(args: argparse.Namespace) -> int:
         kubeconfig=args.kubeconfig,
         publish_interval_s=args.publish_interval,
         reclaim_deadline_s=args.reclaim_deadline,
+        broker_policy=args.broker_policy,
         startup_hold_s=args.startup_hold,
         recovery_s=args.recovery,
         audit_interval_s=args.audit_interval,

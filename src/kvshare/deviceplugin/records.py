@@ -121,6 +121,9 @@ class PoolRecord:
     reclaim: PendingReclaim | None = None
     charge: int = 0
     waiting_since: float | None = None
+    wanted_at: float | None = None
+    """When the pool last asked for more (pools say an unmet ask again, see
+    :mod:`kvshare.runtime.lease_conversation`)."""
     orphaned_at: float | None = None
     orphan_deadline: float = 0.0
     device_bytes: int | None = None
@@ -309,6 +312,7 @@ class GpuRecord:
                 used=p.usage.used,
                 cached=p.usage.cached,
                 waiting_since=p.waiting_since,
+                wanted_at=p.wanted_at,
                 reclaim_target=p.reclaim.target if p.reclaim else None,
                 reclaim_overdue=bool(p.reclaim and p.reclaim.overdue),
             )

@@ -7,6 +7,9 @@ them in simulated time. Either way the pool asks and reports by the same rules:
 
 - growth is asked in chunks (a multiple of the page size), so the allocation path rarely
   waits for a round trip;
+- a pool still short of what it asked says so again when it asks again after
+  ``REFRESH_S`` (the pool's own retries are a second apart): the broker can tell an ask
+  that still stands from one the pool no longer needs;
 - a pool that keeps running out asks for geometrically more (slow start): when it wants
   more than it asked for while still waiting for that, or within ``slow_start_window_s``
   of being granted all of it, the step above its lease doubles (one chunk, two, four,
@@ -35,6 +38,8 @@ __all__ = ["LeaseConversation"]
 
 #: How long the lease thread may sleep when nothing is due.
 IDLE_S = 0.5
+#: The least time between two asks for the same amount.
+REFRESH_S = 0.5
 
 
 @dataclass
@@ -68,6 +73,8 @@ class LeaseConversation:
         self.usage: PoolUsage | None = None
         """The pool's latest report."""
         self._asked = 0
+        self._asked_at = 0.0
+        self._refresh = False
         self._step = self.chunk
         self._satisfied_at: float | None = None  # when the lease last reached _asked
         self._reports = 0
@@ -82,9 +89,16 @@ class LeaseConversation:
     def want(self, total_bytes: int, now: float) -> bool:
         """The pool wants its lease to reach ``total_bytes``: ask for that, rounded up to
         whole chunks and to at least the lease plus the growth step, capped at ``kv_max``.
-        Whether the wish grew (a :meth:`next_want` may be due)."""
-        if total_bytes <= max(self.limit, self._asked):
+        Whether a :meth:`next_want` is due: the wish grew, or still stands unmet and was
+        last said ``REFRESH_S`` ago."""
+        if total_bytes <= self.limit:
             return False
+        if total_bytes <= self._asked:
+            if now - self._asked_at < REFRESH_S:
+                return False
+            self._asked_at = now
+            self._refresh = True
+            return True
         self._grow_step(now)
         target = max(total_bytes, self.limit + self._step)
         target = -(-target // self.chunk) * self.chunk
@@ -92,7 +106,7 @@ class LeaseConversation:
             target = min(target, self.kv_max)
         if target <= max(self.limit, self._asked):
             return False
-        self._asked = target
+        self._asked, self._asked_at = target, now
         return True
 
     def _grow_step(self, now: float) -> None:
@@ -116,8 +130,10 @@ class LeaseConversation:
     # --- what goes to the broker -------------------------------------------------------------
 
     def next_want(self) -> Want | None:
-        """The wish to send now: what the pool asks, when that grew past what was sent."""
-        if self._asked <= self.limit or self._asked <= self._sent_want:
+        """The wish to send now: what the pool asks, when that grew past what was sent or
+        is said again."""
+        refresh, self._refresh = self._refresh, False
+        if self._asked <= self.limit or (self._asked <= self._sent_want and not refresh):
             return None
         self._seq += 1
         self._sent_want = self._asked
