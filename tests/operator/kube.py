@@ -11,6 +11,9 @@ and ``objects`` are the public stores):
   and status changed, the status subresource split (``/status`` changes only status,
   the main resource never changes it), and 422 for a failed JSON-patch ``test``;
 - 201 for a create (kmock answers 200);
+- the ``scale`` subresource of custom resources that declare one (get, patch and put of an
+  ``autoscaling/v1`` Scale, mapped through the CRD's replica and selector paths, as
+  ``kubectl scale``, a HorizontalPodAutoscaler and KEDA use it);
 - a constant-time request match: kmock checks each request against its whole request
   history once per registered reaction; this emulator shows reactions only the requests
   in flight, so every request costs the same however long a test runs. Reactions that
@@ -97,6 +100,8 @@ class KubeCluster(kmock.KubernetesEmulator):
     """kmock's Kubernetes emulator with server-set metadata and API-server answers."""
 
     api_calls: list[ApiCall] = attrs.field(factory=list, init=False)
+    #: Resource -> its CRD's scale subresource (``specReplicasPath`` and so on).
+    scales: dict[kmock.resource, dict[str, str]] = attrs.field(factory=dict, init=False)
     _in_flight: list[kmock.Request] = attrs.field(factory=list, init=False)
     _versions: itertools.count[int] = attrs.field(factory=lambda: itertools.count(1), init=False)
 
@@ -107,6 +112,8 @@ class KubeCluster(kmock.KubernetesEmulator):
     async def _handle(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
         self._in_flight.append(request)
         try:
+            if request.subresource == "scale" and request.resource in self.scales:
+                return await self._serve_scale(request)
             if request.resource is not None and request.action is not None:
                 if request.action == kmock.action.CREATE:
                     self._stamp_create(request)
@@ -119,6 +126,40 @@ class KubeCluster(kmock.KubernetesEmulator):
             return response
         finally:
             self._in_flight.remove(request)
+
+    async def _serve_scale(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
+        """The scale subresource: an ``autoscaling/v1`` Scale read from, and written to,
+        the object's replica paths. A write goes through as a patch of the object itself
+        (a new generation and a watch event, as a spec change)."""
+        assert request.resource is not None
+        paths = self.scales[request.resource]
+        key = (request.resource, request.namespace, request.name)
+        if key not in self.objects or self.objects[key].deleted:
+            raise kmock.KubernetesError(status=404, reason="NotFound", message="not found")
+        if request.method in (kmock.method.PATCH, kmock.method.PUT):
+            replicas = ((request.data or {}).get("spec") or {}).get("replicas")
+            if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 0:
+                raise kmock.KubernetesError(
+                    status=422, reason="Invalid", message=f"spec.replicas: {replicas!r}"
+                )
+            patch: dict[str, Any] = {}
+            node = patch
+            *parents, leaf = paths["specReplicasPath"].strip(".").split(".")
+            for part in parents:
+                node = node.setdefault(part, {})
+            node[leaf] = replicas
+            await self._handle(
+                attrs.evolve(
+                    request,
+                    method=kmock.method.PATCH,
+                    action=kmock.action.UPDATE,
+                    subresource=None,
+                    data=patch,
+                )
+            )
+        elif request.method != kmock.method.GET:
+            raise kmock.KubernetesError(status=405, reason="MethodNotAllowed", message="")
+        return aiohttp.web.json_response(_scale_of(self.objects[key].raw, paths))
 
     def _record(self, request: kmock.Request) -> None:
         assert request.resource is not None and request.action is not None
@@ -184,6 +225,32 @@ class KubeCluster(kmock.KubernetesEmulator):
             data["metadata"] = {**meta, **stamps}
 
 
+def _at(obj: Any, path: str) -> Any:
+    for part in path.strip(".").split("."):
+        obj = obj.get(part) if isinstance(obj, dict) else None
+    return obj
+
+
+def _scale_of(obj: dict[str, Any], paths: dict[str, str]) -> dict[str, Any]:
+    """The ``autoscaling/v1`` Scale of ``obj``, as the API server builds it."""
+    meta = obj.get("metadata", {})
+    status: dict[str, Any] = {"replicas": _at(obj, paths["statusReplicasPath"]) or 0}
+    selector = _at(obj, paths.get("labelSelectorPath", ""))
+    if selector:
+        status["selector"] = selector
+    return {
+        "apiVersion": "autoscaling/v1",
+        "kind": "Scale",
+        "metadata": {
+            key: meta[key]
+            for key in ("name", "namespace", "uid", "resourceVersion", "creationTimestamp")
+            if key in meta
+        },
+        "spec": {"replicas": _at(obj, paths["specReplicasPath"]) or 0},
+        "status": status,
+    }
+
+
 def declare_resources(cluster: KubeCluster) -> None:
     """Every resource the operator touches, as a real API server would list them.
 
@@ -210,16 +277,17 @@ def declare_resources(cluster: KubeCluster) -> None:
     for crd in all_crds():
         spec = crd["spec"]
         version = spec["versions"][0]
-        cluster.resources[f"{spec['group']}/{version['name']}/{spec['names']['plural']}"] = (
-            kmock.ResourceInfo(
-                kind=spec["names"]["kind"],
-                singular=spec["names"]["singular"],
-                namespaced=spec["scope"] == "Namespaced",
-                shortnames=set(spec["names"].get("shortNames", [])),
-                categories=set(spec["names"].get("categories", [])),
-                subresources=set(version.get("subresources", {})),
-                verbs=verbs,
-            )
+        resource = f"{spec['group']}/{version['name']}/{spec['names']['plural']}"
+        if "scale" in version.get("subresources", {}):
+            cluster.scales[kmock.resource(resource)] = version["subresources"]["scale"]
+        cluster.resources[resource] = kmock.ResourceInfo(
+            kind=spec["names"]["kind"],
+            singular=spec["names"]["singular"],
+            namespaced=spec["scope"] == "Namespaced",
+            shortnames=set(spec["names"].get("shortNames", [])),
+            categories=set(spec["names"].get("categories", [])),
+            subresources=set(version.get("subresources", {})),
+            verbs=verbs,
         )
         cluster.objects[
             "apiextensions.k8s.io/v1/customresourcedefinitions", None, crd["metadata"]["name"]

@@ -47,6 +47,8 @@ class PoolStatus(KubeModel):
     """KV cap, when set."""
     lease: ByteQuantity = 0
     """KV bytes the broker currently lets it map."""
+    want: ByteQuantity = 0
+    """KV bytes the worker asks for (at least its minimum, at most its max)."""
     mapped: ByteQuantity = 0
     """KV bytes physically mapped."""
     used: ByteQuantity = 0

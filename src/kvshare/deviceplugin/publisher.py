@@ -71,6 +71,7 @@ def _pool_status(pool: PoolView) -> PoolStatus:
         kv_min=pool.kv_min,
         kv_max=pool.kv_max,
         lease=pool.lease,
+        want=pool.want,
         mapped=pool.mapped,
         used=pool.used,
         over_lease=pool.over_lease,

@@ -39,8 +39,10 @@ from kvshare.operator.plan import Create, Delete, Plan, desired_replicas, plan_r
 from kvshare.operator.render import (
     RuntimeImage,
     endpoint,
+    pod_selector,
     render_pod,
     render_service,
+    selector_string,
     template_hash,
 )
 from kvshare.operator.status import (
@@ -270,6 +272,7 @@ class Controller:
             problem=problem,
             kv=kv_usage(pools),
             endpoint=endpoint(ms, spec) if spec is not None else None,
+            selector=selector_string(pod_selector(ms)),
             failing=failures.failing,
         )
         status = compute_status(observation, previous, _now())

@@ -39,9 +39,11 @@ __all__ = [
     "RuntimeImage",
     "endpoint",
     "inject_runtime",
+    "pod_selector",
     "render_pod",
     "render_service",
     "runtime_targets",
+    "selector_string",
     "template_hash",
 ]
 
@@ -90,6 +92,17 @@ def template_hash(spec: ModelServerSpec) -> str:
 def endpoint(ms: ModelServerRef, spec: ModelServerSpec) -> str:
     """The URL of the ModelServer's Service inside the cluster."""
     return f"http://{ms.name}.{ms.namespace}.svc:{spec.port}"
+
+
+def pod_selector(ms: ModelServerRef) -> dict[str, str]:
+    """Labels that select the ModelServer's replica pods: its Service's selector, and
+    (as ``status.selector``) the scale subresource's for autoscalers."""
+    return {names.LABEL_MODELSERVER: ms.name, names.LABEL_MANAGED_BY: names.MANAGED_BY}
+
+
+def selector_string(labels: Mapping[str, str]) -> str:
+    """``labels`` as a label selector string (``a=b,c=d``)."""
+    return ",".join(f"{key}={value}" for key, value in sorted(labels.items()))
 
 
 def owner_reference(ms: ModelServerRef) -> dict[str, Any]:
@@ -326,10 +339,7 @@ def render_service(ms: ModelServerRef, spec: ModelServerSpec) -> dict[str, Any]:
         },
         "spec": {
             "type": "ClusterIP",
-            "selector": {
-                names.LABEL_MODELSERVER: ms.name,
-                names.LABEL_MANAGED_BY: names.MANAGED_BY,
-            },
+            "selector": pod_selector(ms),
             "ports": [
                 {
                     "name": HTTP_PORT_NAME,

@@ -73,6 +73,8 @@ class Observation:
     """A problem with the spec itself; nothing is planned then."""
     kv: KVUsage = field(default_factory=KVUsage)
     endpoint: str | None = None
+    selector: str | None = None
+    """The replica pods' label selector (for the scale subresource)."""
     failing: Sequence[ReplicaFailure] = ()
     """Replicas whose pods keep failing, by replica index."""
 
@@ -84,6 +86,7 @@ def kv_usage(pools: Sequence[PoolStatus]) -> KVUsage:
         lease=sum(p.lease for p in pools),
         mapped=sum(p.mapped for p in pools),
         used=sum(p.used for p in pools),
+        demand=sum(max(p.want, p.used) for p in pools),
     )
 
 
@@ -253,6 +256,8 @@ def compute_status(obs: Observation, previous: Mapping[str, Any], now: str) -> d
     }
     if obs.endpoint is not None:
         status["endpoint"] = obs.endpoint
+    if obs.selector is not None:
+        status["selector"] = obs.selector
     return status
 
 
