@@ -83,8 +83,8 @@ GPU_PYTHON ?= python3
 gpu-check:  ## on an NVIDIA GPU machine with PyTorch: GPU tests, page costs, decode, broker
 	PYTHONPATH=src $(GPU_PYTHON) bench/gpu_check.py --write BENCHMARKS.md
 
-docs: $(DEV_STAMP)  ## regenerate the README's generated tables
-	$(PY) tools/update_readme.py
+docs: $(DEV_STAMP)  ## regenerate the generated tables in docs/
+	$(PY) tools/update_docs.py
 
 crds: $(DEV_STAMP)  ## write the chart's CRDs from kvshare.api (the one source)
 	$(VENV)/bin/kvshare crds > $(CHART)/crds/kvshare.io.yaml
