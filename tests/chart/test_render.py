@@ -71,6 +71,15 @@ MATRIX: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
         (),
     ),
     "two-operator-replicas": ({"operator.replicas": 2}, ()),
+    "team-quotas": (
+        {
+            "quotas": [
+                {"namespace": "team-a", "gpuMemory": 160, "gpuSlots": 8},
+                {"namespace": "team-b", "gpuMemory": 48, "hard": {"requests.cpu": "64"}},
+            ]
+        },
+        (),
+    ),
     "fake-gpus": ({"nodeAgent.fakeGpus": "2x80Gi", "nodeAgent.runtimeClassName": ""}, ()),
     "everything": (
         {
@@ -173,6 +182,28 @@ def test_two_operator_replicas_get_peering_and_a_disruption_budget() -> None:
     peering = double.one("ClusterKopfPeering")["metadata"]["name"]
     args = _pod_spec(double, "Deployment")["containers"][0]["args"]
     assert f"--peering={peering}" in args
+
+
+def test_quotas_bound_each_team_namespaces_gpu_memory_and_slots() -> None:
+    rendered = template(
+        {
+            "quotas": [
+                {"namespace": "team-a", "gpuMemory": 160, "gpuSlots": 8},
+                {"namespace": "team-b", "gpuMemory": 48, "hard": {"requests.cpu": "64"}},
+            ]
+        }
+    )
+    quotas = {
+        q["metadata"]["namespace"]: q["spec"]["hard"] for q in rendered.of_kind("ResourceQuota")
+    }
+    assert quotas == {
+        "team-a": {
+            f"requests.{names.RESOURCE_GPU_MEMORY}": "160",
+            f"requests.{names.RESOURCE_GPU}": "8",
+        },
+        "team-b": {f"requests.{names.RESOURCE_GPU_MEMORY}": "48", "requests.cpu": "64"},
+    }
+    assert template().of_kind("ResourceQuota") == []
 
 
 def test_node_agent_mounts_only_the_device_plugin_folder_and_run_kvshare() -> None:

@@ -34,6 +34,7 @@ PODS = "v1/pods"
 SERVICES = "v1/services"
 NODES = "v1/nodes"
 EVENTS = "v1/events"
+QUOTAS = "v1/resourcequotas"
 NAMESPACE = "llm"
 #: Generous: the suite must pass on a loaded 2-core machine.
 TIMEOUT = 60.0

@@ -11,6 +11,12 @@ and ``objects`` are the public stores):
   and status changed, the status subresource split (``/status`` changes only status,
   the main resource never changes it), and 422 for a failed JSON-patch ``test``;
 - 201 for a create (kmock answers 200);
+- ResourceQuota admission of pods: a pod whose container requests would take a quota's
+  ``requests.*`` (or plain) resources over ``spec.hard``, counting the namespace's other
+  pods that have not finished, is refused with the API server's 403 and its exact
+  ``exceeded quota: ...`` message; and the quota controller's part: after every change
+  to the namespace's pods or quotas, each quota's ``status.hard`` and ``status.used``
+  are recounted and written (a watch event, as in a cluster);
 - the ``scale`` subresource of custom resources that declare one (get, patch and put of an
   ``autoscaling/v1`` Scale, mapped through the CRD's replica and selector paths, as
   ``kubectl scale``, a HorizontalPodAutoscaler and KEDA use it);
@@ -34,6 +40,7 @@ import secrets
 import time
 import uuid
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any
 
 import aiohttp.web
@@ -42,6 +49,7 @@ import jsonpatch
 import kmock
 
 from kvshare.api.crds import all_crds
+from kvshare.api.quantity import parse_quantity
 
 __all__ = ["ApiCall", "KubeCluster", "declare_resources"]
 
@@ -116,6 +124,8 @@ class KubeCluster(kmock.KubernetesEmulator):
                 return await self._serve_scale(request)
             if request.resource is not None and request.action is not None:
                 if request.action == kmock.action.CREATE:
+                    if request.resource == _PODS:
+                        self._admit_to_quotas(request)
                     self._stamp_create(request)
                 self._record(request)
                 if request.action == kmock.action.UPDATE and request.name:
@@ -123,6 +133,8 @@ class KubeCluster(kmock.KubernetesEmulator):
             response = await super()._handle(request)
             if request.action == kmock.action.CREATE and response.status == 200:
                 response.set_status(_CREATED)
+            if response.status < 400 and self._counts_for_quotas(request):
+                await self._recount_quotas(request)
             return response
         finally:
             self._in_flight.remove(request)
@@ -160,6 +172,73 @@ class KubeCluster(kmock.KubernetesEmulator):
         elif request.method != kmock.method.GET:
             raise kmock.KubernetesError(status=405, reason="MethodNotAllowed", message="")
         return aiohttp.web.json_response(_scale_of(self.objects[key].raw, paths))
+
+    def _admit_to_quotas(self, request: kmock.Request) -> None:
+        """Refuse the pod as the ResourceQuota admission plugin does when it would exceed
+        a quota of its namespace."""
+        pod = request.data if isinstance(request.data, dict) else {}
+        namespace = request.namespace or (pod.get("metadata") or {}).get("namespace")
+        asked = pod_requests(pod)
+        for quota in self.live(_QUOTAS, namespace):
+            limits = (quota.get("spec") or {}).get("hard") or {}
+            hard = {k: parse_quantity(v) for k, v in limits.items()}
+            requested = {k: asked[_resource_of(k)] for k in hard if _resource_of(k) in asked}
+            used = quota_usage(self.live(_PODS, namespace), requested)
+            exceeded = sorted(k for k in requested if used[k] + requested[k] > hard[k])
+
+            def listed(amounts: dict[str, Fraction], keys: list[str] = exceeded) -> str:
+                return ",".join(f"{k}={_quantity(amounts[k])}" for k in keys)
+
+            if exceeded:
+                name = (pod.get("metadata") or {}).get("name", "")
+                raise kmock.KubernetesError(
+                    status=403,
+                    reason="Forbidden",
+                    message=(
+                        f'pods "{name}" is forbidden: exceeded quota: '
+                        f"{quota['metadata']['name']}, requested: {listed(requested)}, "
+                        f"used: {listed(used)}, limited: {listed(hard)}"
+                    ),
+                    details={"name": name, "kind": "pods"},
+                )
+
+    @staticmethod
+    def _counts_for_quotas(request: kmock.Request) -> bool:
+        writes = (kmock.action.CREATE, kmock.action.UPDATE, kmock.action.DELETE)
+        counted = request.resource in (_PODS, kmock.resource(_QUOTAS))
+        return counted and request.action in writes and request.subresource is None
+
+    async def _recount_quotas(self, cause: kmock.Request) -> None:
+        """The quota controller: write each quota's hard limits and current usage."""
+        namespace = cause.namespace or _namespace_of(cause)
+        for quota in self.live(_QUOTAS, namespace):
+            hard = (quota.get("spec") or {}).get("hard") or {}
+            used = quota_usage(self.live("v1/pods", namespace), hard)
+            status = {"hard": hard, "used": {k: _quantity(v) for k, v in used.items()}}
+            if quota.get("status") == status:
+                continue
+            await self._handle(
+                attrs.evolve(
+                    cause,
+                    method=kmock.method.PATCH,
+                    action=kmock.action.UPDATE,
+                    resource=kmock.resource(_QUOTAS),
+                    namespace=namespace,
+                    name=quota["metadata"]["name"],
+                    subresource="status",
+                    headers={"User-Agent": "kube-controller-manager/resourcequota-controller"},
+                    data={"status": status},
+                )
+            )
+
+    def live(self, resource: str, namespace: str | None) -> list[dict[str, Any]]:
+        """The objects of ``resource`` in ``namespace`` that are not deleted."""
+        wanted = kmock.resource(resource)
+        return [
+            obj.raw
+            for (res, ns, _), obj in self.objects.items()
+            if res == wanted and ns == namespace and not obj.deleted
+        ]
 
     def _record(self, request: kmock.Request) -> None:
         assert request.resource is not None and request.action is not None
@@ -225,6 +304,45 @@ class KubeCluster(kmock.KubernetesEmulator):
             data["metadata"] = {**meta, **stamps}
 
 
+_PODS = kmock.resource("v1/pods")
+_QUOTAS = "v1/resourcequotas"
+
+
+def _resource_of(quota_key: str) -> str:
+    """The pod resource a quota key counts (``requests.cpu`` and ``cpu``: ``cpu``)."""
+    return quota_key.removeprefix("requests.")
+
+
+def _quantity(value: Fraction) -> str:
+    return str(value.numerator) if value.denominator == 1 else str(float(value))
+
+
+def pod_requests(pod: dict[str, Any]) -> dict[str, Fraction]:
+    """What a pod's containers request, summed per resource (plus ``pods``: 1)."""
+    total: dict[str, Fraction] = {"pods": Fraction(1)}
+    for container in (pod.get("spec") or {}).get("containers") or ():
+        for resource, amount in ((container.get("resources") or {}).get("requests") or {}).items():
+            total[resource] = total.get(resource, Fraction(0)) + parse_quantity(amount)
+    return total
+
+
+def quota_usage(pods: list[dict[str, Any]], keys: Any) -> dict[str, Fraction]:
+    """What ``pods`` that have not finished use of each quota key in ``keys``."""
+    used = dict.fromkeys(keys, Fraction(0))
+    for pod in pods:
+        if (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
+            continue
+        asked = pod_requests(pod)
+        for key in used:
+            used[key] += asked.get(_resource_of(key), Fraction(0))
+    return used
+
+
+def _namespace_of(request: kmock.Request) -> str | None:
+    data = request.data if isinstance(request.data, dict) else {}
+    return (data.get("metadata") or {}).get("namespace")
+
+
 def _at(obj: Any, path: str) -> Any:
     for part in path.strip(".").split("."):
         obj = obj.get(part) if isinstance(obj, dict) else None
@@ -261,6 +379,7 @@ def declare_resources(cluster: KubeCluster) -> None:
         "services": ("Service", True, {"status"}),
         "events": ("Event", True, set()),
         "nodes": ("Node", False, {"status"}),
+        "resourcequotas": ("ResourceQuota", True, {"status"}),
         "namespaces": ("Namespace", False, {"status"}),
     }
     verbs = {"get", "list", "watch", "create", "patch", "update", "delete"}

@@ -36,6 +36,7 @@ from kvshare.operator.expectations import Expectations
 from kvshare.operator.keyed import KeyedRunner
 from kvshare.operator.metrics import ModelServerSample, OperatorMetrics
 from kvshare.operator.plan import Create, Delete, Plan, desired_replicas, plan_replicas
+from kvshare.operator.quota import QuotaRefusal, QuotaView, quota_refusal
 from kvshare.operator.render import (
     RuntimeImage,
     endpoint,
@@ -84,6 +85,8 @@ class Caches:
     pods_by_node: Mapping[str, Collection[ModelServerKey]]
     nodes: Mapping[str, Collection[NodeView]]
     gpu_nodes: Mapping[str, Collection[GpuNodeView]]
+    quotas: Mapping[tuple[str, str], Collection[QuotaView]]
+    """ResourceQuotas by (namespace, name)."""
 
     def modelserver(self, key: ModelServerKey) -> ModelServerRef | None:
         return next(iter(self.modelservers.get(key, ())), None)
@@ -96,6 +99,9 @@ class Caches:
 
     def all_pods(self) -> list[PodView]:
         return [pod for pods in self.pods.values() for pod in pods]
+
+    def quota(self, namespace: str, name: str) -> QuotaView | None:
+        return next(iter(self.quotas.get((namespace, name), ())), None)
 
 
 def _now() -> str:
@@ -161,6 +167,9 @@ class Controller:
         # The status last written: newer than the index until the watch event arrives.
         self._statuses: dict[ModelServerKey, dict[str, Any]] = {}
         self._waiting_for_capacity: set[ModelServerKey] = set()
+        # The last pod refused for an exhausted namespace quota, while replicas are missing:
+        # no pod is created for the ModelServer until that quota has room for it.
+        self._quota_waits: dict[ModelServerKey, QuotaRefusal] = {}
         self._node_views: dict[str, NodeView] = {}
         # A reconcile due when a held-back replica may be replaced: nothing else may happen
         # to the ModelServer until then, so no watch event would bring it.
@@ -186,6 +195,7 @@ class Controller:
         self._services.pop(key, None)
         self._statuses.pop(key, None)
         self._waiting_for_capacity.discard(key)
+        self._quota_waits.pop(key, None)
         self.backoff.forget(key)
         self._wake_later(key, None)
         self.metrics.forget(key)
@@ -212,6 +222,14 @@ class Controller:
         """ModelServers a KVShareNode change matters to: those with pods on the node
         (their KV usage) and those waiting for capacity."""
         return set(caches.pods_by_node.get(node, ())) | self._waiting_for_capacity
+
+    def affected_by_quota(self, namespace: str | None, name: str) -> set[ModelServerKey]:
+        """ModelServers a ResourceQuota change matters to: those refused by it."""
+        return {
+            key
+            for key, refusal in self._quota_waits.items()
+            if key[0] == namespace and refusal.quota == name
+        }
 
     def affected_by_node(self, view: NodeView) -> set[ModelServerKey]:
         """ModelServers a Node change matters to: those waiting for capacity, and only
@@ -254,6 +272,7 @@ class Controller:
                 lambda: self._capacity(caches),
                 failures.held,
             )
+            plan = self._hold_for_quota(ms.key, plan, caches)
             self._count_placements(plan)
             pods, problem = await self._execute(ms, spec, plan, pods, events)
             problem = await self._ensure_service(ms, spec) or problem
@@ -264,12 +283,14 @@ class Controller:
             for pool in gpu.pools
             if pool.namespace == ms.namespace and pool.modelserver == ms.name
         ]
+        refused = self._quota_waits.get(ms.key)
         observation = Observation(
             generation=ms.generation,
             desired=spec.replicas if spec is not None else _raw_replicas(ms),
             pods=pods,
             plan=plan,
             problem=problem,
+            quota=refused.describe() if refused is not None else None,
             kv=kv_usage(pools),
             endpoint=endpoint(ms, spec) if spec is not None else None,
             selector=selector_string(pod_selector(ms)),
@@ -314,6 +335,20 @@ class Controller:
             self.expectations.overlay(caches.all_pods()),
             avoid,
         )
+
+    def _hold_for_quota(self, key: ModelServerKey, plan: Plan, caches: Caches) -> Plan:
+        """``plan`` without its creates while the quota that refused the last one still
+        has no room for it; a quota change brings the next try (never a loop)."""
+        refusal = self._quota_waits.get(key)
+        if refusal is None:
+            return plan
+        if not plan.creates:  # nothing missing any more: nothing waits for quota
+            del self._quota_waits[key]
+            return plan
+        quota = caches.quota(key[0], refusal.quota)
+        if quota is None or quota.has_room(refusal):
+            return plan  # try again; a refusal with the new numbers holds it back again
+        return replace(plan, creates=())
 
     def _wake_later(self, key: ModelServerKey, delay: float | None) -> None:
         """Reconcile ``key`` again in ``delay`` seconds (``None``: not on a timer)."""
@@ -385,9 +420,15 @@ class Controller:
                 except ApiError as exc:
                     if exc.retriable:
                         raise
+                    refusal = quota_refusal(name, exc.status, exc.message)
+                    if refusal is not None:
+                        # The other replicas would meet the same quota: stop here.
+                        self._quota_waits[ms.key] = refusal
+                        return list(current.values()), None
                     return list(current.values()), Problem(
                         "PodRejected", f"the API server refused pod {name}: {exc.message}"
                     )
+                self._quota_waits.pop(ms.key, None)
                 view = pod_view(created if created is not None else body)
                 if view is None:
                     continue

@@ -6,6 +6,8 @@
 - A ModelServer event reconciles that ModelServer (or forgets it, when deleted).
 - A pod event reconciles the pod's ModelServer (readiness, failures, deletions); a pod
   that is gone also frees GPU room, so the ModelServers waiting for capacity retry.
+- A ResourceQuota event reconciles the ModelServers whose last pod it refused (the
+  quota may have room now).
 - A KVShareNode event reconciles the ModelServers with pods on that node (their KV
   usage) and those waiting for GPU capacity; a Node event, only the latter, and only
   when the node's labels, taints or cordon changed.
@@ -26,6 +28,7 @@ import kopf
 from kvshare.api import names
 from kvshare.operator.connection import connection_info
 from kvshare.operator.controller import Caches, Controller
+from kvshare.operator.quota import QuotaView
 from kvshare.operator.server import HttpEndpoint
 from kvshare.operator.settings import OperatorConfig
 from kvshare.operator.status import Event
@@ -55,6 +58,7 @@ def _caches(kwargs: Mapping[str, Any]) -> Caches:
         pods_by_node=kwargs["kvshare_pods_by_node"],
         nodes=kwargs["kvshare_nodes"],
         gpu_nodes=kwargs["kvshare_gpu_nodes"],
+        quotas=kwargs["kvshare_quotas"],
     )
 
 
@@ -117,6 +121,11 @@ def build_registry(
         view = GpuNodeView.from_body(body)
         return {view.node: view} if view else None
 
+    @kopf.index("v1", "resourcequotas", id="kvshare_quotas", registry=registry)
+    def index_quota(body: kopf.Body, **_: Any) -> dict[tuple[str, str], QuotaView]:
+        view = QuotaView.from_body(body)
+        return {(view.namespace, view.name): view}
+
     # --- events -----------------------------------------------------------------------
 
     @kopf.on.event(*_MODELSERVERS, registry=registry)
@@ -142,6 +151,12 @@ def build_registry(
         caches = _caches(kwargs)
         node = (body.get("spec") or {}).get("nodeName") or name
         keys = controller.affected_by_gpu_node(node, caches)
+        await asyncio.gather(*(controller.request(k, caches, _post_event) for k in keys))
+
+    @kopf.on.event("v1", "resourcequotas", registry=registry)
+    async def quota_changed(namespace: str | None, name: str, **kwargs: Any) -> None:
+        caches = _caches(kwargs)
+        keys = controller.affected_by_quota(namespace, name)
         await asyncio.gather(*(controller.request(k, caches, _post_event) for k in keys))
 
     @kopf.on.event("v1", "nodes", registry=registry)

@@ -45,6 +45,12 @@ API_CALLS: tuple[ApiCall, ...] = (
         "one Service per ModelServer (get: whose is one that exists already)",
     ),
     ApiCall("", "nodes", ("list", "watch"), "labels, taints and cordons for placement"),
+    ApiCall(
+        "",
+        "resourcequotas",
+        ("list", "watch"),
+        "retry pods a namespace quota refused once it has room",
+    ),
     ApiCall("", "events", ("create",), "Events about placement, rollouts and problems"),
     ApiCall(
         "kopf.dev",

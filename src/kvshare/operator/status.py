@@ -5,7 +5,8 @@ Conditions follow the Kubernetes conventions (``metav1.Condition``): a ``type``,
 ``observedGeneration`` it was computed from, and a ``lastTransitionTime`` that changes
 only when ``status`` does. The four types:
 
-- ``Placed``: every desired replica has a node and GPUs (False says why not);
+- ``Placed``: every desired replica has a node and GPUs, and its pod was admitted (False
+  says why not: no GPU fits, or a namespace quota refused it, ``QuotaExceeded``);
 - ``Ready``: every desired replica answers its health check;
 - ``Progressing``: replicas are being created, removed or replaced;
 - ``Degraded``: something only a change of the spec or the cluster can fix, or replicas
@@ -71,6 +72,8 @@ class Observation:
     plan: Plan | None = None
     problem: Problem | None = None
     """A problem with the spec itself; nothing is planned then."""
+    quota: str | None = None
+    """Why missing replicas wait for a namespace ResourceQuota (the last refusal)."""
     kv: KVUsage = field(default_factory=KVUsage)
     endpoint: str | None = None
     selector: str | None = None
@@ -104,6 +107,9 @@ def _placed(obs: Observation, serving: Sequence[PodView]) -> tuple[str, str, str
         return "False", "ModelTooLarge", plan.too_large
     if plan.rollout and plan.rollout.waiting.startswith("cannot replace"):
         return "False", "Unschedulable", plan.rollout.waiting
+    if obs.quota is not None:
+        waiting = obs.desired - len(serving)
+        return "False", "QuotaExceeded", f"{waiting} of {obs.desired} replicas wait: {obs.quota}"
     missing = {i: r for i, r in plan.unplaced.items() if i not in {p.replica for p in serving}}
     if missing:
         first = plan.unplaced[min(missing)]
@@ -165,6 +171,8 @@ def _progressing(
         return "True", "ReplicasStarting", f"waiting for {_names(starting)} to become ready"
     if obs.failing:
         return "False", "ReplicaFailing", "failed pods are replaced after a delay (see Degraded)"
+    if obs.quota is not None:
+        return "False", "WaitingForQuota", "replicas wait for namespace quota (see Placed)"
     if plan.unplaced:
         return "False", "WaitingForCapacity", "replicas wait for GPU capacity (see Placed)"
     return "False", "UpToDate", "all replicas run the current spec"
