@@ -126,6 +126,7 @@ _KINDS = (
             ("Pools", "integer", ".status.poolCount", "KV pools on the node"),
             ("Free", "string", ".status.free", "Memory placement may still commit"),
             ("Backend", "string", ".status.backend", "cuda, or host for fake GPUs"),
+            ("Config", "string", ".status.nodeConfig", "Node-agent configuration it runs"),
             ("Age", "date", ".metadata.creationTimestamp", ""),
         ),
         description="GPU capacity and KV pools of one node, published by its kvshare node agent.",

@@ -17,7 +17,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from kvshare.api.kube import ByteQuantity, KubeModel
+from kvshare.api.kube import ByteQuantity, Condition, KubeModel
 
 __all__ = ["GpuStatus", "KVShareNodeSpec", "KVShareNodeStatus", "PoolStatus"]
 
@@ -118,3 +118,8 @@ class KVShareNodeStatus(KubeModel):
     """Sum of the GPUs' free bytes, for `kubectl get`."""
     gpus: list[GpuStatus] = Field(default=[], max_length=64)
     """One entry per GPU."""
+    node_config: str | None = Field(default=None, max_length=63)
+    """The named node-agent configuration this node runs (chosen by its label)."""
+    conditions: list[Condition] = Field(default=[], max_length=8)
+    """NodeConfigApplied (False: the label names no configuration) and
+    NvidiaDevicePluginConflict (True: NVIDIA's device plugin hands out these GPUs too)."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -213,6 +213,16 @@ class NodeMetrics(BrokerEvents):
             (0.0005, 0.001, 0.002, 0.005, 0.01, 0.05, 0.1, 1),
             "resource",
         )
+        self.device_plugin_conflict = Gauge(
+            "kvshare_node_device_plugin_conflict",
+            "GPUs (or slices) another device plugin advertises on this node for the GPUs "
+            "kvshare serves, by resource (e.g. nvidia.com/gpu): above 0 they are handed "
+            "out twice.",
+            ("resource",),
+            registry=self.registry,
+        )
+        self.labelnames["kvshare_node_device_plugin_conflict"] = ("resource",)
+        self._conflicting: set[str] = set()  # resources the gauge has a series for
         self.kvsharenode_writes = self._counter(
             "kvshare_kvsharenode_writes",
             "KVShareNode writes to the Kubernetes API, by result.",
@@ -230,6 +240,12 @@ class NodeMetrics(BrokerEvents):
     ) -> Histogram:
         self.labelnames[name] = labels
         return Histogram(name, documentation, labels, buckets=buckets, registry=self.registry)
+
+    def set_device_plugin_conflict(self, found: Mapping[str, int]) -> None:
+        """Set the conflict gauge: ``found`` maps resources to their count (0 elsewhere)."""
+        self._conflicting |= {"nvidia.com/gpu", *found}
+        for resource in self._conflicting:
+            self.device_plugin_conflict.labels(resource).set(found.get(resource, 0))
 
     def set_source(self, source: Callable[[], BooksView | None]) -> None:
         """Where the per-GPU and per-pool gauges come from (the broker's view)."""

@@ -12,12 +12,13 @@ from __future__ import annotations
 import datetime
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from kvshare import __version__
 from kvshare.api import names
+from kvshare.api.kube import Condition
 from kvshare.api.kvsharenode import GpuStatus, KVShareNodeSpec, KVShareNodeStatus, PoolStatus
 from kvshare.deviceplugin.metrics import NodeMetrics
 from kvshare.deviceplugin.views import BooksView, PoolView
@@ -51,10 +52,14 @@ RBAC_RULES: tuple[PolicyRule, ...] = (
     PolicyRule((names.GROUP,), (names.KVSHARENODE_PLURAL,), ("get", "create")),
     # Write its status.
     PolicyRule((names.GROUP,), (f"{names.KVSHARENODE_PLURAL}/status",), ("get", "patch")),
-    # The Node's uid, for the KVShareNode's owner reference.
+    # The Node: its uid (the KVShareNode's owner), labels (the configuration to run) and
+    # allocatable (another device plugin serving the same GPUs).
     PolicyRule(("",), ("nodes",), ("get",)),
     # Pending pods on this node and their planned GPUs (preferred allocations).
     PolicyRule(("",), ("pods",), ("list", "watch")),
+    # Warnings about the Node (another device plugin hands out its GPUs, an unknown
+    # configuration named by its label).
+    PolicyRule(("",), ("events",), ("create",)),
 )
 
 
@@ -79,7 +84,13 @@ def _pool_status(pool: PoolView) -> PoolStatus:
 
 
 def status_from_view(
-    view: BooksView, backend: str, slots_per_gpu: int, observed_at: str | None = None
+    view: BooksView,
+    backend: str,
+    slots_per_gpu: int,
+    observed_at: str | None = None,
+    *,
+    node_config: str | None = None,
+    conditions: Sequence[Condition] = (),
 ) -> KVShareNodeStatus:
     """The KVShareNode status for the books in ``view``.
 
@@ -118,6 +129,8 @@ def status_from_view(
         pool_count=len(view.pools),
         free=sum(g.free for g in gpus),
         gpus=gpus,
+        node_config=node_config,
+        conditions=list(conditions),
     )
 
 
