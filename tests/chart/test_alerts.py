@@ -89,7 +89,7 @@ CASES = [
                 'kvshare_node_device_plugin_conflict{node="gpu-2", resource="nvidia.com/gpu"}',
                 "0x12",
             ),
-        ],  # fmt: skip
+        ],
         "KVShareDevicePluginConflict",
         "1m",
         "3m",

@@ -59,6 +59,11 @@ async def test_the_scale_subresource_adds_and_removes_replicas_like_a_spec_chang
     await wait_for(lambda: sorted(cluster.pods()) == ["qwen-0"], "scaled back to 1")
     await wait_for(lambda: cluster.status("qwen").get("ready") == "1/1", "1/1 ready")
     assert cluster.get(MS, NAMESPACE, "qwen")["spec"]["replicas"] == 1  # type: ignore[index]
-    messages = [e["message"] for e in cluster.events("Scaled")]
-    assert "replicas 1 -> 3" in messages and "replicas 3 -> 1" in messages
+    await wait_for(
+        lambda: (
+            {e["message"] for e in cluster.events("Scaled")}
+            == {"replicas 1 -> 3", "replicas 3 -> 1"}
+        ),
+        "a Scaled event each way",
+    )
     assert (await cluster.scale("qwen"))["status"]["replicas"] == 1

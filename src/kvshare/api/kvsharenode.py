@@ -55,6 +55,13 @@ class PoolStatus(KubeModel):
     """KV bytes holding live blocks."""
     over_lease: bool = False
     """The device shows more memory for this pool than its lease plus one page."""
+    policy: str = Field(default="", max_length=16)
+    """Revision of the KV policy (min, max, priority) the pool runs under."""
+    policy_refused: str = Field(default="", max_length=16)
+    """Revision of the policy its pod's kvshare.io/kv-policy annotation asks for, when the
+    node agent could not apply it in place (the pool keeps the one it runs)."""
+    policy_message: str = Field(default="", max_length=512)
+    """Why the pod's annotated policy is not applied."""
 
 
 class GpuStatus(KubeModel):

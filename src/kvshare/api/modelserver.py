@@ -462,6 +462,12 @@ class ReplicaPlacement(KubeModel):
     """Node the pod is pinned to."""
     gpus: list[str] = Field(default=[], max_length=8)
     """UUIDs of the replica's GPUs, in rank order."""
+    kv_policy: Literal["Applied", "Pending", "Refused"] | None = None
+    """Whether the replica runs the current kvCache (changed in place, without a restart):
+    Applied, Pending, or Refused by its node (the replica is then replaced); unset until
+    its pools are reported."""
+    kv_policy_message: str | None = Field(default=None, max_length=512)
+    """Why the replica does not run the current kvCache yet."""
 
 
 class KVUsage(KubeModel):

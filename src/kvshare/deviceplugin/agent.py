@@ -199,14 +199,15 @@ class NodeAgent:
             lambda facts, reason, message: post_node_event(api, facts, reason, message),
             self.metrics.set_device_plugin_conflict,
             interval_s=config.node_check_interval_s,
+            warnings=(
+                (("UnknownNodeConfig", config.node_config_problem),)
+                if config.node_config_problem
+                else ()
+            ),
         )
         self._checks = checks
         checks.start()
         config_condition = self._config_condition()
-        if config.node_config_problem:
-            facts = read_node(api, config.node_name)
-            if facts is not None:
-                post_node_event(api, facts, "UnknownNodeConfig", config.node_config_problem)
 
         def status() -> Any:
             return status_from_view(
@@ -215,13 +216,14 @@ class NodeAgent:
                 config.slots_per_gpu,
                 node_config=config.node_config,
                 conditions=[*config_condition, *checks.conditions()],
+                policies=broker.pod_policy_states(),
             )
 
         self._publisher = KVShareNodePublisher(
             api, config.node_name, status, self.metrics, interval_s=config.publish_interval_s
         )
         self._publisher.start()
-        self._pods = PendingPods(api, config.node_name)
+        self._pods = PendingPods(api, config.node_name, on_pod=self._pod_changed)
         self._pods.start()
 
     def _start_device_plugin(self) -> None:
@@ -286,6 +288,16 @@ class NodeAgent:
         self.metrics_server = None
         self.broker = None
         self.inventory = None
+
+    def _pod_changed(self, kind: str, pod: Any) -> None:
+        """A pod of this node changed: its annotated KV policy goes to the broker."""
+        from kvshare.deviceplugin.pod_policies import pod_policy
+
+        broker = self.broker
+        if broker is None:
+            return
+        uid, policy = pod_policy(pod)
+        broker.set_pod_policy(uid, None if kind == "DELETED" else policy)
 
     def _config_condition(self) -> list[Condition]:
         """``NodeConfigApplied``, when the settings came from a configuration file."""

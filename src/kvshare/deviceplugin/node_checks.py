@@ -36,6 +36,8 @@ log = logging.getLogger(__name__)
 _NVIDIA_RESOURCES = re.compile(r"^nvidia\.com/(gpu|gpu\.shared|mig-[0-9a-z.]+)$")
 CONFLICT_CONDITION = "NvidiaDevicePluginConflict"
 _COMPONENT = "kvshare-node-agent"
+#: Seconds (connect, read) a read of the Node may take: the agent starts without it.
+_TIMEOUT = (5.0, 10.0)
 
 
 @dataclass(frozen=True)
@@ -53,7 +55,7 @@ def read_node(api_client: Any, name: str) -> NodeFacts | None:
     from kubernetes import client
 
     try:
-        node = client.CoreV1Api(api_client).read_node(name)
+        node = client.CoreV1Api(api_client).read_node(name, _request_timeout=_TIMEOUT)
     except Exception as exc:  # the API being away must never stop the agent
         log.warning("cannot read Node %s (%s): node checks and labels are skipped", name, exc)
         return None
@@ -94,7 +96,9 @@ def post_node_event(api_client: Any, facts: NodeFacts, reason: str, message: str
         "count": 1,
     }
     try:
-        client.CoreV1Api(api_client).create_namespaced_event("default", body)
+        client.CoreV1Api(api_client).create_namespaced_event(
+            "default", body, _request_timeout=_TIMEOUT
+        )
     except Exception as exc:  # an Event is best effort
         log.warning("cannot post Event %s about Node %s: %s", reason, facts.name, exc)
 
@@ -134,8 +138,10 @@ def _conflict_message(found: Mapping[str, int], gpus: int) -> str:
 class NodeChecks:
     """Checks the Node for a device-plugin conflict and reports what it finds.
 
-    ``post_event(reason, message)`` posts a Warning about the Node; ``set_gauge(found)``
-    sets the metric. :meth:`conditions` is read by the KVShareNode publisher.
+    ``post_event(facts, reason, message)`` posts a Warning about the Node;
+    ``set_gauge(found)`` sets the metric; ``warnings`` (reason, message) are posted once,
+    with the first check that reads the Node. :meth:`conditions` is read by the
+    KVShareNode publisher.
     """
 
     def __init__(
@@ -144,8 +150,11 @@ class NodeChecks:
         gpus: Callable[[], int],
         post_event: Callable[[NodeFacts, str, str], None],
         set_gauge: Callable[[Mapping[str, int]], None],
+        *,
         interval_s: float = 300.0,
+        warnings: tuple[tuple[str, str], ...] = (),
     ) -> None:
+        self._warnings = warnings
         self._read = read
         self._gpus = gpus
         self._post_event = post_event
@@ -157,8 +166,7 @@ class NodeChecks:
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
-        """Check now, then every ``interval_s`` on a thread (``kvshare-node-checks``)."""
-        self.check()
+        """Check now and every ``interval_s``, on a thread (``kvshare-node-checks``)."""
         self._thread = threading.Thread(target=self._run, name="kvshare-node-checks", daemon=True)
         self._thread.start()
 
@@ -177,6 +185,9 @@ class NodeChecks:
         facts = self._read()
         if facts is None:
             return
+        warnings, self._warnings = self._warnings, ()
+        for reason, message in warnings:
+            self._post_event(facts, reason, message)
         gpus = self._gpus()
         found = device_plugin_conflict(facts.allocatable, gpus)
         status = "True" if found else "False"
@@ -198,5 +209,6 @@ class NodeChecks:
             self._post_event(facts, CONFLICT_CONDITION, message)
 
     def _run(self) -> None:
+        self.check()
         while not self._stop.wait(self._interval):
             self.check()

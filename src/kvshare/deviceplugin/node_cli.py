@@ -145,7 +145,8 @@ def _settings(args: argparse.Namespace, node_name: str) -> tuple[dict[str, Any],
         if selected.problem:
             log.error("%s", selected.problem)
         log.info("node configuration %r from %s", selected.name, args.config)
-    flags = NodeSettings(
+    # Flags are checked where they are used (the inventory names --fake-gpus itself).
+    flags = NodeSettings.model_construct(
         slots_per_gpu=args.slots_per_gpu,
         headroom=args.headroom,
         reclaim_deadline_seconds=args.reclaim_deadline,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import datetime
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +21,7 @@ from kvshare.api import names
 from kvshare.api.kube import Condition
 from kvshare.api.kvsharenode import GpuStatus, KVShareNodeSpec, KVShareNodeStatus, PoolStatus
 from kvshare.deviceplugin.metrics import NodeMetrics
+from kvshare.deviceplugin.pod_policies import PolicyState
 from kvshare.deviceplugin.views import BooksView, PoolView
 
 __all__ = ["RBAC_RULES", "KVShareNodePublisher", "PolicyRule", "status_from_view"]
@@ -63,7 +64,7 @@ RBAC_RULES: tuple[PolicyRule, ...] = (
 )
 
 
-def _pool_status(pool: PoolView) -> PoolStatus:
+def _pool_status(pool: PoolView, policy: PolicyState | None) -> PoolStatus:
     return PoolStatus(
         namespace=pool.namespace[:63],
         pod=(pool.pod or pool.name)[:253],
@@ -80,6 +81,9 @@ def _pool_status(pool: PoolView) -> PoolStatus:
         mapped=pool.mapped,
         used=pool.used,
         over_lease=pool.over_lease,
+        policy=policy.policy if policy else "",
+        policy_refused=policy.refused if policy else "",
+        policy_message=policy.message[:512] if policy else "",
     )
 
 
@@ -91,6 +95,7 @@ def status_from_view(
     *,
     node_config: str | None = None,
     conditions: Sequence[Condition] = (),
+    policies: Mapping[int, PolicyState] | None = None,
 ) -> KVShareNodeStatus:
     """The KVShareNode status for the books in ``view``.
 
@@ -118,7 +123,7 @@ def status_from_view(
                 free=max(gpu.free, 0),
                 slots=slots_per_gpu,
                 slots_used=min(len(workers), slots_per_gpu),
-                pools=[_pool_status(p) for p in pools[:256]],
+                pools=[_pool_status(p, (policies or {}).get(p.id)) for p in pools[:256]],
             )
         )
     return KVShareNodeStatus(

@@ -37,7 +37,12 @@ API_CALLS: tuple[ApiCall, ...] = (
         "is enabled (the operator itself sets no finalizer)",
     ),
     ApiCall(names.GROUP, names.KVSHARENODE_PLURAL, ("list", "watch"), "GPU capacity and pools"),
-    ApiCall("", "pods", ("list", "watch", "create", "delete"), "one pod per replica"),
+    ApiCall(
+        "",
+        "pods",
+        ("list", "watch", "create", "delete", "patch"),
+        "one pod per replica (patch: its KV policy annotation, changed in place)",
+    ),
     ApiCall(
         "",
         "services",

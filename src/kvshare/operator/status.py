@@ -26,6 +26,7 @@ from kvshare.api.kube import Condition
 from kvshare.api.kvsharenode import PoolStatus
 from kvshare.api.modelserver import KVUsage, Phase, ReplicaPlacement
 from kvshare.operator.backoff import ReplicaFailure
+from kvshare.operator.inplace import ReplicaPolicy
 from kvshare.operator.plan import Plan
 from kvshare.operator.views import PodView
 
@@ -36,6 +37,7 @@ __all__ = [
     "compute_status",
     "condition_events",
     "kv_usage",
+    "placement_events",
     "with_problem",
 ]
 
@@ -80,6 +82,8 @@ class Observation:
     """The replica pods' label selector (for the scale subresource)."""
     failing: Sequence[ReplicaFailure] = ()
     """Replicas whose pods keep failing, by replica index."""
+    kv_policy: Mapping[int, ReplicaPolicy] = field(default_factory=dict)
+    """Whether each replica runs the current kvCache (see :mod:`.inplace`)."""
 
 
 def kv_usage(pools: Sequence[PoolStatus]) -> KVUsage:
@@ -169,6 +173,19 @@ def _progressing(
         return "True", "CreatingReplicas", f"creating replica(s) {', '.join(map(str, creating))}"
     if starting:
         return "True", "ReplicasStarting", f"waiting for {_names(starting)} to become ready"
+    pending = [
+        p
+        for p in serving
+        if p.replica in obs.kv_policy and obs.kv_policy[p.replica].state == "Pending"
+    ]
+    if pending:
+        applied = sum(s.state == "Applied" for s in obs.kv_policy.values())
+        return (
+            "True",
+            "ApplyingKVPolicy",
+            f"{applied}/{obs.desired} replicas run the current kvCache in place; waiting for "
+            f"{_names(pending)}",
+        )
     if obs.failing:
         return "False", "ReplicaFailing", "failed pods are replaced after a delay (see Degraded)"
     if obs.quota is not None:
@@ -225,6 +242,17 @@ def _phase(conditions: Mapping[str, str], obs: Observation, serving: Sequence[Po
     return "Starting" if serving else "Pending"
 
 
+def _placement(pod: PodView, policy: ReplicaPolicy | None) -> dict[str, Any]:
+    return ReplicaPlacement(
+        replica=pod.replica,
+        pod=pod.name,
+        node=pod.node,
+        gpus=list(pod.gpus),
+        kv_policy=policy.state if policy else None,
+        kv_policy_message=(policy.message[:512] or None) if policy else None,
+    ).to_wire()
+
+
 def compute_status(obs: Observation, previous: Mapping[str, Any], now: str) -> dict[str, Any]:
     """The status to write, as stored (camelCase, quantities as strings).
 
@@ -254,12 +282,7 @@ def compute_status(obs: Observation, previous: Mapping[str, Any], now: str) -> d
         "readyReplicas": ready,
         "ready": f"{ready}/{obs.desired}",
         "conditions": conditions,
-        "placements": [
-            ReplicaPlacement(
-                replica=p.replica, pod=p.name, node=p.node, gpus=list(p.gpus)
-            ).to_wire()
-            for p in serving
-        ],
+        "placements": [_placement(p, obs.kv_policy.get(p.replica)) for p in serving],
         "kv": obs.kv.to_wire(),
     }
     if obs.endpoint is not None:
@@ -316,4 +339,32 @@ def condition_events(
             events.append(Event("Warning", condition["reason"], condition.get("message", "")))
         elif kind == "Ready" and condition["status"] == "True" and old.get("status") != "True":
             events.append(Event("Normal", "Ready", condition.get("message", "")))
+    return events
+
+
+def placement_events(
+    previous: Sequence[Mapping[str, Any]], current: Sequence[Mapping[str, Any]]
+) -> list[Event]:
+    """Events for the KV policy changed in place: a replica whose node refused it (once per
+    refusal), and every replica running it (once, when the last one takes it)."""
+    before = {p.get("pod"): p.get("kvPolicy") for p in previous}
+    events = [
+        Event(
+            "Warning",
+            "KVPolicyRefused",
+            f"replica {p['replica']} (pod {p['pod']}): {p.get('kvPolicyMessage', '')}; "
+            "replacing it",
+        )
+        for p in current
+        if p.get("kvPolicy") == "Refused" and before.get(p["pod"]) != "Refused"
+    ]
+    states = [p.get("kvPolicy") for p in current]
+    if (
+        states
+        and all(s == "Applied" for s in states)
+        and any(before.get(p["pod"]) in ("Pending", "Refused") for p in current)
+    ):
+        events.append(
+            Event("Normal", "KVPolicyApplied", f"{len(states)} replica(s) run the current kvCache")
+        )
     return events
