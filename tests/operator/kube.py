@@ -123,11 +123,11 @@ class KubeCluster(kmock.KubernetesEmulator):
             if request.subresource == "scale" and request.resource in self.scales:
                 return await self._serve_scale(request)
             if request.resource is not None and request.action is not None:
+                self._record(request)  # refused requests count too
                 if request.action == kmock.action.CREATE:
                     if request.resource == _PODS:
                         self._admit_to_quotas(request)
                     self._stamp_create(request)
-                self._record(request)
                 if request.action == kmock.action.UPDATE and request.name:
                     self._stamp_patch(request)
             response = await super()._handle(request)

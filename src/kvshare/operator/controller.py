@@ -180,9 +180,10 @@ class Controller:
         self._waiting_for_capacity: set[ModelServerKey] = set()
         # The KV-policy annotation last written, and the pods (by uid) given it.
         self._annotated: dict[ModelServerKey, tuple[str, set[str]]] = {}
-        # The last pod refused for an exhausted namespace quota, while replicas are missing:
-        # no pod is created for the ModelServer until that quota has room for it.
-        self._quota_waits: dict[ModelServerKey, QuotaRefusal] = {}
+        # The last pod refused for an exhausted namespace quota while replicas are missing,
+        # and the quota as the watch showed it then: no pod is created for the ModelServer
+        # until the quota changes and has room for it.
+        self._quota_waits: dict[ModelServerKey, tuple[QuotaRefusal, QuotaView | None]] = {}
         self._node_views: dict[str, NodeView] = {}
         # A reconcile due when a held-back replica may be replaced: nothing else may happen
         # to the ModelServer until then, so no watch event would bring it.
@@ -241,7 +242,7 @@ class Controller:
         """ModelServers a ResourceQuota change matters to: those refused by it."""
         return {
             key
-            for key, refusal in self._quota_waits.items()
+            for key, (refusal, _) in self._quota_waits.items()
             if key[0] == namespace and refusal.quota == name
         }
 
@@ -302,7 +303,7 @@ class Controller:
             problem = await self._ensure_service(ms, spec) or problem
             await self._annotate(ms, pods, wanted, events)
             policies = replica_policies(pods, pools, wanted)
-        refused = self._quota_waits.get(ms.key)
+        refused = self._quota_waits.get(ms.key, (None, None))[0]
         observation = Observation(
             generation=ms.generation,
             desired=spec.replicas if spec is not None else _raw_replicas(ms),
@@ -403,14 +404,15 @@ class Controller:
     def _hold_for_quota(self, key: ModelServerKey, plan: Plan, caches: Caches) -> Plan:
         """``plan`` without its creates while the quota that refused the last one still
         has no room for it; a quota change brings the next try (never a loop)."""
-        refusal = self._quota_waits.get(key)
-        if refusal is None:
+        wait = self._quota_waits.get(key)
+        if wait is None:
             return plan
         if not plan.creates:  # nothing missing any more: nothing waits for quota
             del self._quota_waits[key]
             return plan
+        refusal, seen = wait
         quota = caches.quota(key[0], refusal.quota)
-        if quota is None or quota.has_room(refusal):
+        if quota != seen and (quota is None or quota.has_room(refusal)):
             return plan  # try again; a refusal with the new numbers holds it back again
         return replace(plan, creates=())
 
@@ -489,7 +491,8 @@ class Controller:
                     refusal = quota_refusal(name, exc.status, exc.message)
                     if refusal is not None:
                         # The other replicas would meet the same quota: stop here.
-                        self._quota_waits[ms.key] = refusal
+                        seen = caches.quota(ms.namespace, refusal.quota) if caches else None
+                        self._quota_waits[ms.key] = (refusal, seen)
                         return list(current.values()), None
                     return list(current.values()), Problem(
                         "PodRejected", f"the API server refused pod {name}: {exc.message}"

@@ -11,9 +11,9 @@ ModelServers commit. The API server's quota admission refuses a pod beyond it wi
 
 :func:`quota_refusal` reads it into a :class:`QuotaRefusal`, which says in the status
 which quota, what was asked and what is left. The operator then creates no more pods for
-that ModelServer until the quota, as its watch shows it (:class:`QuotaView`), has room
-for what was refused (:meth:`QuotaView.has_room`): freed by other pods, or raised. Pure
-functions; the controller keeps the refusals.
+that ModelServer until the quota, as its watch shows it (:class:`QuotaView`), has changed
+and has room for what was refused (:meth:`QuotaView.has_room`): freed by other pods, or
+raised. Pure functions; the controller keeps the refusals.
 """
 
 from __future__ import annotations
@@ -121,6 +121,8 @@ class QuotaView:
     name: str
     hard: Mapping[str, str]
     used: Mapping[str, str]
+    version: str = ""
+    """``metadata.resourceVersion``: tells a changed quota from one that changed back."""
 
     @classmethod
     def from_body(cls, body: Mapping[str, Any]) -> QuotaView:
@@ -133,6 +135,7 @@ class QuotaView:
             name=str(meta.get("name") or ""),
             hard={str(k): str(v) for k, v in hard.items()},
             used={str(k): str(v) for k, v in (status.get("used") or {}).items()},
+            version=str(meta.get("resourceVersion") or ""),
         )
 
     def has_room(self, refusal: QuotaRefusal) -> bool:
