@@ -8,7 +8,7 @@ from typing import Any
 
 from kvshare.api import kvpolicy, names
 from kvshare.deviceplugin.books import Books
-from kvshare.deviceplugin.pod_policies import PodPolicies, pod_policy
+from kvshare.deviceplugin.pod_policies import PodPolicies, PolicyState, pod_policy
 from tests.deviceplugin.test_books import GPU, hello
 
 GIB = 2**30
@@ -93,4 +93,9 @@ def test_what_the_annotation_may_not_do_changes_nothing_and_says_why() -> None:
         assert state.policy == declared and why in state.message, state
         assert state.refused == policy.revision
         assert (record.kv_min, record.kv_max, record.priority) == (GIB, None, 100)
+    # Asked again for the policy it runs, the pool forgets the refusal.
+    _, same = pod_policy(pod('{"min":"1Gi","priority":100}'))
+    table.set("uid-a", same)
+    table.apply_changed(books, 9.0)
+    assert table.states()[mine] == PolicyState(declared)
     books.check()

@@ -109,7 +109,7 @@ def apply(
     if policy.error:
         return [], PolicyState(state.policy, message=policy.error)
     if policy.revision == state.policy:
-        return [], state
+        return [], PolicyState(state.policy)  # what it runs; an older refusal is moot
     bound = policy.per_gpu_bytes
     if bound is not None and record.static + policy.kv_min > bound:
         message = (
