@@ -37,7 +37,7 @@ def test_an_encoded_policy_decodes_to_the_same_policy() -> None:
         ('{"min": "4Gi", "priority": 5000}', "priority"),
         ('{"min": "lots"}', "min"),
         ('{"min": "4Gi", "owner": "me"}', "owner"),
-        ('{"max": "4Gi"}', "min"),
+        ('{"min": "2Ti"}', "more than 1Ti"),
         ("[" * 100_000, "longer than"),
         (json.dumps({"min": "4Gi", "pad": "x" * 2000}), "longer than"),
     ],
