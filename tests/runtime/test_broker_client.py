@@ -135,7 +135,7 @@ def test_a_max_raised_in_place_lets_the_pool_grow_into_what_it_asked(
     lease = BrokerLease(
         GPU.uuid,
         policy=PoolPolicy(kv_min=GIB, kv_max=2 * GIB, capacity=capacity),
-        identity=PoolIdentity(namespace="llm", pod="qwen-0", pod_uid="uid-qwen-0"),
+        identity=PoolIdentity(namespace="llm", pod="qwen-0", pod_uid="0f8fad5b-d9cb-469f-a165-70867728950e"),
         socket_path=str(run_dir / "broker.sock"),
     )
     holder = Holder()
@@ -145,7 +145,7 @@ def test_a_max_raised_in_place_lets_the_pool_grow_into_what_it_asked(
         lease.want(4 * GIB)
         wait_until(lambda: lease.limit() == 2 * GIB)
         raised = PodPolicy(revision=revision(GIB, 5 * GIB, 100), kv_min=GIB, kv_max=5 * GIB)
-        broker.set_pod_policy("uid-qwen-0", raised)
+        broker.set_pod_policy("0f8fad5b-d9cb-469f-a165-70867728950e", raised)
         wait_until(lambda: broker.view().pools[0].kv_max == 5 * GIB)
         wait_until(lambda: lease.limit() == grown)
     finally:
