@@ -135,7 +135,9 @@ def test_a_max_raised_in_place_lets_the_pool_grow_into_what_it_asked(
     lease = BrokerLease(
         GPU.uuid,
         policy=PoolPolicy(kv_min=GIB, kv_max=2 * GIB, capacity=capacity),
-        identity=PoolIdentity(namespace="llm", pod="qwen-0", pod_uid="0f8fad5b-d9cb-469f-a165-70867728950e"),
+        identity=PoolIdentity(
+            namespace="llm", pod="qwen-0", pod_uid="0f8fad5b-d9cb-469f-a165-70867728950e"
+        ),
         socket_path=str(run_dir / "broker.sock"),
     )
     holder = Holder()
