@@ -38,6 +38,7 @@ BENCHMARKS = (
     "operator",
     "elastic",
     "elastic-suite",
+    "fuzz",
 )
 
 

@@ -47,6 +47,7 @@ def test_all_replicas_ready_is_phase_ready_with_every_condition_set() -> None:
         "Ready": ("True", "ReplicasReady"),
         "Progressing": ("False", "UpToDate"),
         "Degraded": ("False", "AsExpected"),
+        "ResolvedRefs": ("True", "ResolvedRefs"),
     }
     assert all(
         c["observedGeneration"] == 3 and c["lastTransitionTime"] == T0 for c in result["conditions"]
@@ -66,7 +67,8 @@ def test_transition_time_moves_only_when_a_condition_changes_status() -> None:
     assert again == first  # nothing changed: nothing to write
     ready = status(Observation(generation=2, desired=1, pods=[pod(0)], plan=Plan()), first, now=T1)
     times = {c["type"]: c["lastTransitionTime"] for c in ready["conditions"]}
-    assert times == {"Placed": T0, "Ready": T1, "Progressing": T1, "Degraded": T0}
+    assert times == {"Placed": T0, "Ready": T1, "Progressing": T1, "Degraded": T0,
+                     "ResolvedRefs": T0}  # fmt: skip
     assert {c["observedGeneration"] for c in ready["conditions"]} == {2}
 
 
@@ -126,13 +128,21 @@ def test_kv_usage_sums_the_pools() -> None:
             lease=10 * GIB,
             mapped=8 * GIB,
             used=6 * GIB,
+            want=10 * GIB,
         ),
         PoolStatus(
             namespace="llm", pod="qwen-1", kv_min=4 * GIB, lease=2 * GIB, mapped=2 * GIB, used=GIB
         ),
     ]
     usage = kv_usage(pools)
-    assert usage.to_wire() == {"min": "8Gi", "lease": "12Gi", "mapped": "10Gi", "used": "7Gi"}
+    assert usage.to_wire() == {
+        "min": "8Gi",
+        "lease": "12Gi",
+        "mapped": "10Gi",
+        "used": "7Gi",
+        # What each asks for or holds in live blocks, whichever is more.
+        "demand": "11Gi",
+    }
     result = status(Observation(generation=1, desired=0, plan=Plan(), kv=usage))
     assert result["kv"]["used"] == "7Gi"
 
@@ -213,3 +223,21 @@ def test_failing_replicas_are_degraded_with_the_pod_and_why_and_clear_when_ready
     )
     assert recovered["phase"] == "Ready"
     assert conditions(recovered)["Degraded"] == ("False", "AsExpected")
+
+
+def test_colocation_rules_naming_missing_modelservers_are_a_condition_and_a_warning() -> None:
+    missing = {"colocateWith": ["llama"], "avoidColocationWith": ["a", "b"]}
+    obs = Observation(generation=1, desired=1, plan=Plan(), namespace="llm", missing_refs=missing)
+    result = status(obs)
+    assert conditions(result)["ResolvedRefs"] == ("False", "ModelServerNotFound")
+    assert result["phase"] != "Degraded"  # a preference that cannot apply yet, not a fault
+    (event,) = [e for e in condition_events([], result["conditions"]) if e.type == "Warning"]
+    assert event.reason == "ModelServerNotFound"
+    assert event.message == (
+        "colocateWith names llama; avoidColocationWith names a, b: no ModelServer of that "
+        "name in namespace llm (placement ignores the names until they exist)"
+    )
+    unreadable = status(
+        replace(obs, plan=None, problem=Problem("InvalidSpec", "x"), missing_refs=None)
+    )
+    assert conditions(unreadable)["ResolvedRefs"] == ("Unknown", "SpecNotServable")

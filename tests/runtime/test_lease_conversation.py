@@ -15,7 +15,7 @@ def conversation() -> LeaseConversation:
     return LeaseConversation(
         chunk_bytes=CHUNK,
         page_size=PAGE,
-        kv_max=None,
+        ceiling=None,
         report_interval_s=0.05,
         slow_start_window_s=1.0,
     )

@@ -222,7 +222,7 @@ class _SimLease(LeaseSource):
         self._talk = LeaseConversation(
             chunk_bytes=chunk,
             page_size=hello.page_size,
-            kv_max=hello.kv_max,
+            ceiling=hello.kv_max,
             report_interval_s=LEASE_REPORT_INTERVAL_S,
             slow_start_window_s=DEFAULT_SLOW_START_WINDOW_S,
         )

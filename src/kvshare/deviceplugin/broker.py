@@ -15,7 +15,8 @@ A pool's connection is bound to the process that opened it (``SO_PEERCRED``) and
 process is watched through a pidfd: when it exits, its lease returns at once. A
 connection that closes without ``bye`` while its process lives on is given a short grace
 (``orphan_grace_s``) to reconnect before its lease returns. Anything that breaks the
-protocol closes that one connection.
+protocol (see :mod:`kvshare.api.wire`: every value is checked as it is decoded) closes
+that one connection; it is counted, and logged at a bounded rate.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from typing import Literal
 
 from kvshare.api.wire import (
     BROKER_CODEC,
+    MAX_REQUEST_BYTES,
     Bye,
     Codec,
     FrameReader,
@@ -50,10 +52,12 @@ from kvshare.api.wire import (
     Welcome,
 )
 from kvshare.deviceplugin import admin, peers
-from kvshare.deviceplugin.books import Books, BrokerEvents, ExpectedPool, Send
+from kvshare.deviceplugin.books import Books, BrokerEvents, ExpectedPool, PoolRecord, Send
 from kvshare.deviceplugin.inventory import GpuInfo
+from kvshare.deviceplugin.pod_policies import PodPolicies, PodPolicy, PolicyState
 from kvshare.deviceplugin.policy import DEFAULT_POLICY, policy_named
 from kvshare.deviceplugin.state import load_expected, save_pools
+from kvshare.deviceplugin.throttle import ThrottledLog
 from kvshare.deviceplugin.views import BooksView
 
 __all__ = ["Broker", "BrokerConfig", "BrokerError"]
@@ -62,6 +66,9 @@ log = logging.getLogger(__name__)
 
 #: A peer that lets this much unsent data pile up is not reading: it is disconnected.
 _MAX_OUTBOX_BYTES = 1 << 20
+#: Pools one process may hold at once. An engine process holds one per GPU it drives;
+#: the limit keeps one misbehaving process from filling the books (and every listing).
+MAX_POOLS_PER_PROCESS = 64
 _RECV_BYTES = 1 << 16
 #: How often deadlines are checked (reclaims, orphaned connections, turns, recovery).
 _TICK_S = 0.05
@@ -101,7 +108,7 @@ class _Conn:
         self.sock = sock
         self.peer = peer
         self.role: Role = role
-        self.reader = FrameReader()
+        self.reader = FrameReader(MAX_REQUEST_BYTES)
         self.out = bytearray()
         self.pool_id = 0
 
@@ -127,6 +134,9 @@ class Broker:
         self._pidfds: dict[int, tuple[Literal["pool", "expected"], int]] = {}
         self._pool_pidfds: dict[int, int] = {}
         self._admitted: dict[int, tuple[ExpectedPool, int | None]] = {}
+        # Policies changed in place (pod annotations): changed by the pod watch under
+        # _lock, applied by the loop thread (see _apply_pod_policies).
+        self._pod_policies = PodPolicies()
         self._listeners: list[tuple[socket.socket, Path]] = []
         self._next_conn_id = 1
         self._wake_r, self._wake_w = os.pipe()
@@ -136,6 +146,7 @@ class Broker:
         self._thread: threading.Thread | None = None
         self._beat = time.monotonic()
         self._serving = False
+        self._error_log = ThrottledLog(log, "protocol errors")
 
     # --- lifecycle ----------------------------------------------------------------------
 
@@ -238,6 +249,19 @@ class Broker:
                     flagged.append(record.name if record else str(pool_id))
         return flagged
 
+    def set_pod_policy(self, pod_uid: str, policy: PodPolicy | None) -> None:
+        """Pod ``pod_uid``'s annotated KV policy (from the pod watch): applied to its pools
+        now and to the pools it opens later; ``None``: the pod is gone."""
+        with self._lock:
+            changed = self._pod_policies.set(pod_uid, policy)
+        if changed:
+            self._wake()
+
+    def pod_policy_states(self) -> dict[int, PolicyState]:
+        """Pool id -> the KV policy it runs under (for the KVShareNode)."""
+        with self._lock:
+            return self._pod_policies.states()
+
     def set_health(self, gpu_uuid: str, healthy: bool) -> None:
         """A GPU's health changed (from the inventory)."""
         with self._lock:
@@ -286,6 +310,7 @@ class Broker:
                         self._process_exited(key.fd)
                     elif kind == "wake":
                         _drain(self._wake_r)
+                        self._apply_pod_policies()
                 except Exception:
                     # One bad event must never take the broker down.
                     log.exception("broker: unexpected error handling %s event", kind)
@@ -296,6 +321,7 @@ class Broker:
         for pool_id in removed:
             self._forget_pool(pool_id)
         self._deliver(sends)
+        self._error_log.flush()
 
     def _accept(self, listener: socket.socket, kind: str) -> None:
         while True:
@@ -336,7 +362,17 @@ class Broker:
                 if conn.role == "closed":
                     return
         except ProtocolError as exc:
-            self._reject(conn, str(exc))
+            self._reject(conn, exc)
+        except Exception:
+            # A fault of the broker's own: the peer that triggered it loses only its
+            # connection, and the next one is served.
+            self._error_log.log(
+                logging.ERROR,
+                "broker: unexpected error serving pid %d: closing its connection",
+                conn.peer.pid,
+                exc_info=True,
+            )
+            self._refuse(conn, "internal error in the broker: see the node agent's log")
 
     def _dispatch(self, conn: _Conn, message: Message) -> None:
         now = time.monotonic()
@@ -386,13 +422,17 @@ class Broker:
             self._admin(conn, message, now)
 
     def _hello(self, conn: _Conn, hello: Hello, now: float) -> None:
-        refusal = self._peer_problem(conn.peer, hello)
+        refusal = self._peer_problem(conn.peer, hello) or self._too_many_pools(conn.peer, hello)
         if refusal is not None:
             self._events.refused(hello.gpu, "peer")
             self._refuse(conn, refusal)
             return
         with self._lock:
             admission = self._books.admit(hello, conn.peer.pid, now)
+            if admission.record is not None:
+                admission.sends.extend(
+                    self._pod_policies.admitted(self._books, admission.record, now)
+                )
         record = admission.record
         if record is None:
             self._refuse(conn, admission.reason)
@@ -408,6 +448,16 @@ class Broker:
         self._pool_conns[record.id] = conn
         if record.id not in self._pool_pidfds:
             self._watch_pid(conn.peer.pid, "pool", record.id)
+        self._remember(record, peers.process_start_time(record.pid))
+        self._save_state()
+        self._send(
+            conn,
+            Welcome(pool_id=record.id, name=record.name, lease=record.lease, kv_max=record.kv_max),
+        )
+        self._deliver(admission.sends)
+
+    def _remember(self, record: PoolRecord, started: int | None) -> None:
+        """What a restarted broker expects pool ``record`` to re-declare."""
         self._admitted[record.id] = (
             ExpectedPool(
                 pid=record.pid,
@@ -416,14 +466,19 @@ class Broker:
                 static=record.static,
                 kv_min=record.kv_min,
             ),
-            peers.process_start_time(record.pid),
+            started,
         )
-        self._save_state()
-        self._send(
-            conn,
-            Welcome(pool_id=record.id, name=record.name, lease=record.lease, kv_max=record.kv_max),
-        )
-        self._deliver(admission.sends)
+
+    def _apply_pod_policies(self) -> None:
+        """Apply the pods' changed KV policies to their pools (loop thread)."""
+        with self._lock:
+            sends, touched = self._pod_policies.apply_changed(self._books, time.monotonic())
+        for record in touched:
+            if record.id in self._admitted:
+                self._remember(record, self._admitted[record.id][1])
+        if touched:
+            self._save_state()
+        self._deliver(sends)
 
     @staticmethod
     def _peer_problem(peer: peers.Peer, hello: Hello) -> str | None:
@@ -435,6 +490,18 @@ class Broker:
         if hello.pod_uid and peers.in_pod(peer.pid, hello.pod_uid) is False:
             return f"peer: process {peer.pid} does not run in pod {hello.pod_uid}"
         return None
+
+    def _too_many_pools(self, peer: peers.Peer, hello: Hello) -> str | None:
+        with self._lock:
+            mine = [p for p in self._books.pools() if p.pid == peer.pid]
+        if len(mine) < MAX_POOLS_PER_PROCESS or any(
+            p.hello.pod == hello.pod and p.hello.rank == hello.rank for p in mine
+        ):  # a pool reconnecting replaces its own record
+            return None
+        return (
+            f"peer: process {peer.pid} already holds {len(mine)} pools, the most one process "
+            "may hold; close some (each engine process needs one per GPU)"
+        )
 
     def _admin(self, conn: _Conn, message: Message, now: float) -> None:
         if not isinstance(message, admin.AdminRequest):
@@ -465,7 +532,12 @@ class Broker:
     def _send(self, conn: _Conn, message: Message, codec: Codec = BROKER_CODEC) -> None:
         if conn.role == "closed":
             return
-        frame = codec.encode(message)
+        try:
+            frame = codec.encode(message)
+        except ProtocolError as exc:
+            log.error("broker: cannot send %s to pid %d: %s", message.TYPE, conn.peer.pid, exc)
+            self._refuse(conn, f"the node agent cannot send its {message.TYPE}: {exc}")
+            return
         if conn.out:
             conn.out += frame
         else:
@@ -481,7 +553,7 @@ class Broker:
                 self._selector.modify(
                     conn.sock, selectors.EVENT_READ | selectors.EVENT_WRITE, ("conn", conn.id)
                 )
-        if len(conn.out) > _MAX_OUTBOX_BYTES:
+        if len(conn.out) > max(_MAX_OUTBOX_BYTES, len(frame)):  # one admin reply may be more
             log.warning("broker: pid %d does not read its messages: disconnecting", conn.peer.pid)
             self._close(conn)
 
@@ -499,10 +571,13 @@ class Broker:
 
     # --- closing ------------------------------------------------------------------------
 
-    def _reject(self, conn: _Conn, reason: str) -> None:
-        self._events.protocol_error(reason.split(":", 1)[0])
-        log.warning("broker: closing connection from pid %d: %s", conn.peer.pid, reason)
-        self._refuse(conn, f"protocol error: {reason}")
+    def _reject(self, conn: _Conn, error: ProtocolError) -> None:
+        self._events.protocol_error(error.kind)
+        # The message quotes the peer's values escaped and cut short (see wire._shown).
+        self._error_log.log(
+            logging.WARNING, "broker: closing connection from pid %d: %s", conn.peer.pid, error
+        )
+        self._refuse(conn, f"protocol error: {error}")
 
     def _refuse(self, conn: _Conn, reason: str) -> None:
         """Tell the peer why, then close (a pool connection then counts as lost)."""
@@ -584,6 +659,8 @@ class Broker:
         conn = self._pool_conns.pop(pool_id, None)
         if conn is not None:
             self._drop(conn)
+        with self._lock:
+            self._pod_policies.forget_pool(pool_id)
         if self._admitted.pop(pool_id, None) is not None:
             self._save_state()
 

@@ -86,8 +86,9 @@ class BrokerEvents:
     def removed(self, gpu: str, why: str) -> None:
         """A pool left (``bye``, ``connection closed``, ``process exited``, ...)."""
 
-    def protocol_error(self, reason: str) -> None:
-        """A connection broke the protocol and was closed."""
+    def protocol_error(self, kind: str) -> None:
+        """A connection broke the protocol (a :class:`~kvshare.api.wire.ProtocolError`
+        of ``kind``) and was closed."""
 
 
 @dataclass
@@ -117,6 +118,8 @@ class PoolRecord:
     admitted_at: float
     lease: int = 0
     want: int = 0
+    asked: int = 0
+    """What the pool last asked for, before its kv max capped it (a raised max serves it)."""
     usage: Report = NO_USAGE
     reclaim: PendingReclaim | None = None
     charge: int = 0

@@ -7,8 +7,10 @@ posts wishes (:meth:`~BrokerLease.want`, :meth:`~BrokerLease.report`); one backg
 thread (``kvshare-lease``) talks to the broker:
 
 - what it asks and when it reports follow :mod:`kvshare.runtime.lease_conversation`
-  (chunks, slow start, reclaim acknowledgements); the broker grants at most what is free
-  plus its fair share, and lease it then leaves unused is *idle*, which the broker takes
+  (chunks, slow start, reclaim acknowledgements), its asks capped at its capacity; the
+  broker caps them at the ``kv_max`` in force (which may be raised in place: the broker
+  remembers what was asked beyond the old one) and grants at most what is free plus what
+  its policy allows, and lease it then leaves unused is *idle*, which the broker takes
   back at once when another pool waits;
 - grants and reclaims arrive as :meth:`LeaseHolder.lease_changed` calls on that thread.
   A pool must report after ``lease_changed`` even when it had nothing to release (the
@@ -138,13 +140,23 @@ class PoolPolicy:
     priority: int = 100
     static: int = 0
     page_size: int = 2 * 2**20
+    capacity: int | None = None
+    """The most the pool can ever hold (its virtual size); the broker's cap (``kv_max``,
+    which may be raised in place) is enforced by the broker. None: ``kv_max``."""
+
+    @property
+    def ceiling(self) -> int | None:
+        """The most the pool ever asks for."""
+        return self.capacity if self.capacity is not None else self.kv_max
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> PoolPolicy:
-        """``KVSHARE_KV_MIN``/``KV_MAX``/``KV_PRIORITY``/``STATIC_BYTES``/``PAGE_SIZE``."""
+        """``KVSHARE_KV_MIN``/``KV_MAX``/``KV_CAPACITY``/``KV_PRIORITY``/``STATIC_BYTES``/
+        ``PAGE_SIZE``."""
         return cls(
             kv_min=env.KV_MIN.require(environ),
             kv_max=env.KV_MAX.read(environ),
+            capacity=env.KV_CAPACITY.read(environ),
             priority=env.KV_PRIORITY.require(environ),
             static=env.STATIC_BYTES.require(environ),
             page_size=env.PAGE_SIZE.require(environ),
@@ -228,7 +240,7 @@ class BrokerLease(LeaseSource):
         self._talk = LeaseConversation(
             chunk_bytes=chunk_bytes or DEFAULT_CHUNK_PAGES * policy.page_size,
             page_size=policy.page_size,
-            kv_max=policy.kv_max,
+            ceiling=policy.ceiling,
             report_interval_s=report_interval_s,
             slow_start_window_s=slow_start_window_s,
         )
@@ -280,8 +292,9 @@ class BrokerLease(LeaseSource):
 
     def want(self, total_bytes: int) -> None:
         """Ask for the lease to reach ``total_bytes`` (in chunks, with slow start, capped at
-        ``kv_max``: see :mod:`kvshare.runtime.lease_conversation`). Never blocks on I/O:
-        the grant arrives via ``lease_changed``."""
+        the pool's capacity, its ``kv_max`` when that is unknown: see
+        :mod:`kvshare.runtime.lease_conversation`). Never blocks on I/O: the grant arrives
+        via ``lease_changed``."""
         if self._closed:
             return
         with self._lock:

@@ -15,7 +15,7 @@ them in simulated time. Either way the pool asks and reports by the same rules:
   of being granted all of it, the step above its lease doubles (one chunk, two, four,
   ..., never more than the lease itself, so the lease at most doubles per round trip).
   The step starts again at one chunk after a quiet spell or a reclaim. What it asks is
-  capped at its ``kv_max``;
+  capped at its ``ceiling`` (its capacity; the broker caps at the ``kv_max`` in force);
 - reports are sent at most every ``report_interval_s``, except those made once a
   reclaim's lower limit is in force: they carry the reclaim's ``seq`` (never an older
   one: the pool may have grown since) and go at once, since they hand memory on. The
@@ -58,14 +58,14 @@ class LeaseConversation:
         *,
         chunk_bytes: int,
         page_size: int,
-        kv_max: int | None,
+        ceiling: int | None,
         report_interval_s: float,
         slow_start_window_s: float,
     ) -> None:
         if page_size <= 0:
             raise ValueError(f"page size must be > 0, not {page_size}")
         self.chunk = -(-chunk_bytes // page_size) * page_size
-        self.kv_max = kv_max
+        self.ceiling = ceiling
         self.report_interval_s = report_interval_s
         self.slow_start_window_s = slow_start_window_s
         self.limit = 0
@@ -88,7 +88,7 @@ class LeaseConversation:
 
     def want(self, total_bytes: int, now: float) -> bool:
         """The pool wants its lease to reach ``total_bytes``: ask for that, rounded up to
-        whole chunks and to at least the lease plus the growth step, capped at ``kv_max``.
+        whole chunks and to at least the lease plus the growth step, capped at ``ceiling``.
         Whether a :meth:`next_want` is due: the wish grew, or still stands unmet and was
         last said ``REFRESH_S`` ago."""
         if total_bytes <= self.limit:
@@ -102,8 +102,8 @@ class LeaseConversation:
         self._grow_step(now)
         target = max(total_bytes, self.limit + self._step)
         target = -(-target // self.chunk) * self.chunk
-        if self.kv_max is not None:
-            target = min(target, self.kv_max)
+        if self.ceiling is not None:
+            target = min(target, self.ceiling)
         if target <= max(self.limit, self._asked):
             return False
         self._asked, self._asked_at = target, now
