@@ -656,3 +656,19 @@ def test_a_pending_reclaim_is_deepened_when_the_waiter_needs_more() -> None:
     granted = leases(ack(books, a, deeper, 2.0))
     assert granted[b] == 11 * GIB // 2
     books.check()
+
+
+def test_a_reclaim_nobody_needs_any_more_is_called_off() -> None:
+    books = Books([GPU], headroom=GIB, policy=FairShare())  # budget 11 GiB
+    a = in_use(books, "a", 10, 11 * GIB)
+    b = admit(books, "b", 11, kv_min=0)
+    asked = reclaims(books.want(b, 1, 8 * GIB, 1.0))[a]
+    assert asked.limit < 11 * GIB
+    # a's blocks are in use (say, long requests); before it releases them, b leaves.
+    sends = books.remove(b, "exited", 2.0)
+    assert leases(sends) == {a: 11 * GIB}  # it keeps what it holds, as its lease
+    record = books.pool(a)
+    assert record is not None and record.reclaim is None
+    # ... and may ask for more again instead of hearing "reclaiming" for good.
+    assert books.want(a, 2, 11 * GIB, 3.0)[0].message.reason == "granted"
+    books.check()

@@ -95,6 +95,9 @@ RECOVERING = "recovering: the broker is rebuilding its books after a restart"
 DRAINING = "draining: this GPU is being drained to each pool's minimum"
 RECLAIMING = "reclaiming: this pool has an unacknowledged reclaim"
 UNHEALTHY = "unhealthy: this GPU is reported unhealthy"
+# Why reclaims are sent (the Reclaim message says so).
+CONTENTION = "contention"
+RESENT = "resent"
 
 
 @dataclass(frozen=True)
@@ -257,7 +260,7 @@ class Books:
             # authoritative; an unacknowledged reclaim is sent again.
             existing.orphaned_at = None
             if existing.reclaim is not None:
-                sends.append(self._reclaim(gpu, existing, existing.reclaim.target, now, "resent"))
+                sends.append(self._reclaim(gpu, existing, existing.reclaim.target, now, RESENT))
             log.info("pool %s (pid %d) reconnected", existing.name, pid)
             self._events.admitted(hello.gpu, resumed=True)
             return Admission(existing, "", sends)
@@ -447,7 +450,7 @@ class Books:
             # Usage moved: who the policy grows, and what other pools may be asked to give
             # back, moved with it.
             return self._serve(gpu, now)
-        return []
+        return [] if self.recovering else self._withdraw_unneeded(gpu)
 
     def remove(self, pool_id: int, why: str, now: float) -> list[Send]:
         """Pool ``pool_id`` is gone (``why``: bye, closed, exited, ...): its lease returns."""
@@ -523,14 +526,39 @@ class Books:
         if self._waiting(gpu):
             grants = self._policy.grants(gpu.snapshot(now), None)
             sends += self._announce(gpu, self._apply_grants(gpu, grants))
-        return sends + self._rebalance(gpu, now)
+        return sends + self._rebalance(gpu, now) + self._withdraw_unneeded(gpu)
+
+    def _withdraw_unneeded(self, gpu: GpuRecord) -> list[Send]:
+        """Call off the reclaims nobody needs any more: no pool waits, no engine waits for
+        the start-up turn, the GPU is not over-committed, draining or unhealthy. A pool
+        still releasing one (blocks in use that may never finish while it serves) keeps
+        what it holds, as its lease, and may ask for more again."""
+        if (
+            self._waiting(gpu)
+            or gpu.turn_need()
+            or gpu.unleased < 0
+            or gpu.draining
+            or not gpu.healthy
+        ):
+            return []
+        sends = []
+        for pool in gpu.pools.values():
+            pending = pool.reclaim
+            if pending is None or not pending.for_waiters or pool.held > gpu.may_grow_to(pool):
+                continue
+            pool.reclaim = None
+            pool.lease = max(pool.lease, min(pending.from_bytes, align_up(pool.held, pool.page)))
+            self._recharge(gpu, pool)
+            log.debug("reclaim %d of pool %s called off: nobody waits", pending.seq, pool.name)
+            sends.append(Send("pool", pool.id, Lease(seq=0, limit=pool.lease, reason=GRANTED)))
+        return sends
 
     def _rebalance(self, gpu: GpuRecord, now: float) -> list[Send]:
         """Issue the reclaims the policy asks for (for waiters, a waiting start-up turn,
         or an over-committed GPU), each within the rules (see the module doc)."""
         if self.recovering:
             return []
-        reason = "draining" if gpu.draining else "contention"
+        reason = "draining" if gpu.draining else CONTENTION
         sends = []
         for pool_id, asked in self._policy.reclaims(gpu.snapshot(now)).items():
             pool = gpu.pools.get(pool_id)
@@ -554,12 +582,22 @@ class Books:
         seq = self._next_seq
         self._next_seq += 1
         previous = pool.reclaim
+        if reason == RESENT and previous is not None:
+            for_waiters = previous.for_waiters
+        else:
+            # Deepening a reclaim that was needed for more than waiters keeps it needed.
+            for_waiters = (
+                reason == CONTENTION
+                and not (gpu.turn_need() or gpu.unleased < 0)
+                and (previous is None or previous.for_waiters)
+            )
         pool.reclaim = PendingReclaim(
             seq=seq,
             target=target,
             from_bytes=previous.from_bytes if previous else pool.lease,
             issued_at=previous.issued_at if previous else now,
             deadline=deadline if deadline is not None else now + self._reclaim_deadline_s,
+            for_waiters=for_waiters,
         )
         pool.lease = target
         # The pool asks again if it still needs more; until then it is not waiting.

@@ -103,6 +103,9 @@ class PendingReclaim:
     issued_at: float
     deadline: float
     overdue: bool = False
+    for_waiters: bool = False
+    """Issued only because other pools waited (not for a lowered max, a drain, an engine
+    starting or an over-committed GPU): called off when nobody waits any more."""
 
 
 @dataclass(eq=False)
