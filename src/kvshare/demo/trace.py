@@ -43,7 +43,7 @@ FILE``), so a run can be checked and reproduced. The defaults, and why:
   2 cores). The CPU's constants themselves do not carry over: a CPU has a twentieth of a
   GPU's compute per byte of bandwidth and the tiny model's weights are 10 MB, so there a
   step doubles at 14 tokens, and every model would be compute-bound at a handful of
-  requests, where KV memory limits nothing (the suite's shared bound is then x0.66-1.18).
+  requests, where KV memory limits nothing (the suite's shared bound is then x0.56-1.14).
   Before the cost per token existed every step took ``step_s`` whatever its batch, so
   throughput grew in proportion to the memory a model held; trace files of that version
   (3) still load and replay with it.
@@ -63,8 +63,8 @@ FILE``), so a run can be checked and reproduced. The defaults, and why:
   Times: The 3 Important Limits"); chat front ends aim for a first token within a second
   or two, so 10 s is at the patient end. A longer patience favours static partitions
   (their queues go on serving a burst after it ends), so this choice does not flatter
-  elastic sharing: over seeds 0-4 instant sharing gains x1.44-1.62 with 5 s of
-  patience, x1.46-1.57 with 10 s, x1.29-1.43 with 30 s and x1.23-1.28 with clients that
+  elastic sharing: over seeds 0-4 instant sharing gains x1.44-1.59 with 5 s of
+  patience, x1.39-1.58 with 10 s, x1.27-1.41 with 30 s and x1.23-1.28 with clients that
   never leave (see below).
 
 The load, and why it is not tuned to flatter
@@ -90,8 +90,8 @@ What to expect from it
 How much sharing can gain depends on the trace, and :mod:`kvshare.demo.bound` measures
 that: it runs the same schedulers on the same trace without memory, once from equal
 partitions of blocks and once from one shared pool where a freed block is anyone's at
-once. On the default trace instant sharing serves x1.56 the requests of partitions for
-seed 0 (x1.46-1.57 over seeds 0-4; x1.76 and x1.73-1.90 when every step cost the same
+once. On the default trace instant sharing serves x1.48 the requests of partitions for
+seed 0 (x1.39-1.58 over seeds 0-4; x1.76 and x1.73-1.90 when every step cost the same
 whatever its batch), below the ``M = 4`` that a busy model served by the whole GPU
 instead of a quarter of it would suggest, because:
 
@@ -105,10 +105,10 @@ instead of a quarter of it would suggest, because:
   serves more requests than its share of the GPU's block-seconds suggests;
 - requests still running when the trace ends count for neither world.
 
-Window length matters most: over seeds 0-4 instant sharing reaches x1.28-1.45 with 9 s
-bursts (``--duration 36``), x1.34-1.47 when every model's 18 s burst comes round twice
-(``--cycles 2``), and x1.47-1.70 with 72 s bursts (``--duration 288``); three models
-(``--models 3``, 48 s bursts) leave x1.30-1.39. The real elastic world gets less than
+Window length matters most: over seeds 0-4 instant sharing reaches x1.29-1.44 with 9 s
+bursts (``--duration 36``), x1.33-1.47 when every model's 18 s burst comes round twice
+(``--cycles 2``), and x1.41-1.54 with 72 s bursts (``--duration 288``); three models
+(``--models 3``, 48 s bursts) leave x1.30-1.38. The real elastic world gets less than
 instant sharing: memory moves page by page through the broker, memory in use comes back
 only as its requests finish, from pages that hold other requests' blocks too, and the
 broker keeps each model's fair share for it rather than serving whoever asks first.
