@@ -202,6 +202,15 @@ GPU_UUIDS = EnvVar(
     _text,
     "runtime",
 )
+#: Set by the container runtime, not by kvshare: the GPUs CUDA may use in this container.
+#: Read (never set) to tell a GPU container from a CPU one; not in :data:`ALL`.
+CUDA_VISIBLE_DEVICES = EnvVar(
+    "CUDA_VISIBLE_DEVICES",
+    None,
+    "the GPUs CUDA may use in this container (set by the container runtime or the user)",
+    _text,
+    "runtime",
+)
 IMAGE = EnvVar(
     "KVSHARE_IMAGE",
     None,
