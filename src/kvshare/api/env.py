@@ -202,15 +202,6 @@ GPU_UUIDS = EnvVar(
     _text,
     "runtime",
 )
-#: Set by the container runtime, not by kvshare: the GPUs CUDA may use in this container.
-#: Read (never set) to tell a GPU container from a CPU one; not in :data:`ALL`.
-CUDA_VISIBLE_DEVICES = EnvVar(
-    "CUDA_VISIBLE_DEVICES",
-    None,
-    "the GPUs CUDA may use in this container (set by the container runtime or the user)",
-    _text,
-    "runtime",
-)
 IMAGE = EnvVar(
     "KVSHARE_IMAGE",
     None,
@@ -249,6 +240,15 @@ ALL: tuple[EnvVar[object], ...] = (
     IMAGE,
     LOG_LEVEL,
 )
+
+
+def cuda_visible_devices() -> str | None:
+    """``CUDA_VISIBLE_DEVICES`` as the container runtime or the user set it (never kvshare).
+
+    Read only to tell a GPU container from a CPU one; not one of kvshare's settings, so it
+    is not in :data:`ALL`.
+    """
+    return os.environ.get("CUDA_VISIBLE_DEVICES")
 
 
 def markdown_table() -> str:

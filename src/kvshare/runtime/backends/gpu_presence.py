@@ -29,7 +29,7 @@ def gpu_evidence(device_glob: str = "/dev/nvidia[0-9]*") -> list[str]:
     uuids = env.GPU_UUIDS.read()
     if uuids:
         found.append(f"KVSHARE_GPU_UUIDS={uuids}")
-    visible = env.CUDA_VISIBLE_DEVICES.read()
+    visible = env.cuda_visible_devices()
     if visible is not None and visible.strip().lower() not in _NO_DEVICES:
         found.append(f"CUDA_VISIBLE_DEVICES={visible}")
     files = sorted(glob.glob(device_glob))
