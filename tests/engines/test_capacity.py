@@ -98,3 +98,12 @@ def test_vllm_groups_are_named_after_the_engine_instance() -> None:
     config.parallel_config.pipeline_parallel_size = 2
     with pytest.raises(EngineConfigError, match="pipeline-parallel size 1"):
         vllm_common.group_of(config)
+
+
+def test_standalone_a_worker_is_granted_its_static_footprint_and_fixed_limit(
+    standalone: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KVSHARE_STATIC_BYTES", "12Gi")
+    monkeypatch.setenv("KVSHARE_KV_LIMIT", "8Gi")
+    monkeypatch.setenv("KVSHARE_KV_MIN", "1Gi")  # the broker's guarantee: not used standalone
+    assert pools.startup_budget() == 20 * 2**30

@@ -67,3 +67,10 @@ def test_engines_starting_on_one_gpu_take_turns(agent: AgentProcess) -> None:
         lambda: pools.startup_turn(Role("vllm", 0, 1, "coordinated")),
         static_bytes=256 * MIB,  # KVSHARE_STATIC_BYTES of the fixture
     )
+
+
+def test_under_the_broker_a_worker_is_granted_its_static_footprint_and_kv_min(
+    agent: AgentProcess,
+) -> None:
+    # What the start-up turn reserves for it: KVSHARE_STATIC_BYTES + KVSHARE_KV_MIN.
+    assert pools.startup_budget() == 256 * MIB + 16 * MIB

@@ -45,6 +45,7 @@ __all__ = [
     "open_owner_pool",
     "open_rank",
     "page_size",
+    "startup_budget",
     "startup_turn",
     "virtual_kv_bytes",
 ]
@@ -114,6 +115,22 @@ def virtual_kv_bytes(device: torch.device | str) -> int:
             "set it to this worker's weights, activations and CUDA context"
         )
     return int(total) - static
+
+
+def startup_budget() -> int:
+    """Device memory kvshare grants this worker at start-up: its static footprint
+    (``KVSHARE_STATIC_BYTES``) plus the KV memory it can count on — its ``kv min`` under the
+    broker (what its start-up turn reserves), or its fixed ``KVSHARE_KV_LIMIT`` standalone.
+
+    What an engine's own start-up check of free memory should ask for on a shared GPU,
+    instead of a fraction of the device's total.
+    """
+    from kvshare.runtime.broker_client import broker_present, broker_socket_path
+
+    static = env.STATIC_BYTES.require()
+    if broker_present(broker_socket_path()):
+        return static + env.KV_MIN.require()
+    return static + (env.KV_LIMIT.read() or 0)
 
 
 def _backend_kind() -> BackendKind:
