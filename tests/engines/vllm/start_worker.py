@@ -19,28 +19,9 @@ import tempfile
 from pathlib import Path
 
 from tests.engines.vllm import fake_gpu
+from tests.engines.vllm.kv_setup import model_config
 
 TOTAL = 80 * fake_gpu.GIB
-#: A Llama of two small layers: enough for vLLM's config and model runner.
-MODEL = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 256,
-    "intermediate_size": 512,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 64,
-    "vocab_size": 4096,
-    "max_position_embeddings": 1024,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 10000.0,
-    "hidden_act": "silu",
-    "tie_word_embeddings": False,
-    "bos_token_id": 0,
-    "eos_token_id": 1,
-    "torch_dtype": "bfloat16",
-}
 
 
 def start(model_dir: Path, with_kvshare: bool) -> dict[str, object]:
@@ -48,13 +29,11 @@ def start(model_dir: Path, with_kvshare: bool) -> dict[str, object]:
         from kvshare.runtime.engines.activation import activate
 
         activate("vllm")
-    from vllm.config import DeviceConfig, ModelConfig, VllmConfig
+    from vllm.config import DeviceConfig, VllmConfig
     from vllm.utils.network_utils import get_distributed_init_method, get_open_port
     from vllm.v1.worker.worker_base import WorkerWrapperBase
 
-    model = ModelConfig(
-        model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16", max_model_len=512
-    )
+    model = model_config(model_dir)
     config = VllmConfig(model_config=model, device_config=DeviceConfig(device="cuda"))
     config.parallel_config.worker_cls = "vllm.v1.worker.gpu_worker.Worker"  # the CUDA worker
     wrapper = WorkerWrapperBase(rpc_rank=0)
@@ -87,7 +66,6 @@ def main() -> int:
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")  # V2 needs Triton, absent here
     fake_gpu.install(fake_gpu.Gpu(total=TOTAL, held_by_others=args.held))
     with tempfile.TemporaryDirectory() as model_dir:
-        (Path(model_dir) / "config.json").write_text(json.dumps(MODEL))
         result = start(Path(model_dir), args.kvshare)
     sys.stdout.write(json.dumps(result) + "\n")
     sys.stdout.flush()

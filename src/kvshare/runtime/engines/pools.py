@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, cast
 
@@ -41,6 +41,7 @@ __all__ = [
     "device_index",
     "forget_pools",
     "lease_for",
+    "mark_launched",
     "open_local_pool",
     "open_owner_pool",
     "open_rank",
@@ -231,6 +232,23 @@ def open_owner_pool(geometry: KVGeometry, group: str, world_size: int) -> KVPool
         raise
     _remember(pool)
     return pool
+
+
+def mark_launched(device: torch.device | str, streams: Sequence[object] = ()) -> None:
+    """The engine has launched a step's device work: every pool and rank of this process
+    marks its device fence on the current stream and ``streams`` (torch streams), so no
+    page is unmapped before that work is done (:mod:`kvshare.runtime.fence`). Once a step."""
+    import torch
+
+    handles: tuple[int, ...] = (0,)
+    if torch.device(device).type == "cuda":
+        current = torch.cuda.current_stream(torch.device(device))
+        found = (current, *streams)
+        handles = tuple(sorted({int(s.cuda_stream) for s in found if s is not None}))  # type: ignore[attr-defined]
+    with _lock:
+        backends = [item.backend for item in _opened if item.backend is not None]
+    for backend in backends:
+        backend.record_fence(handles)
 
 
 def forget_pools() -> None:

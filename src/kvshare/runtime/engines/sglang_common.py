@@ -20,6 +20,11 @@ operations never leave the rank, while the real rank and TP size still reach the
   cache is the pool's evictor. The pool asks from its own thread; the request is carried
   out by the scheduler at the start of its next loop iteration (idle or not), where
   SGLang's radix tree is consistent.
+- **Fence** (``Scheduler.run_batch``): once a batch is launched the rank marks its pool's
+  device fence on the streams it runs on (the forward stream of the overlap scheduler);
+  SGLang frees a finished request's slots after launching the next batch, which may still
+  read them, and the pool unmaps a freed page only once that work is done
+  (:mod:`kvshare.runtime.fence`).
 - **Ranks in step**: ranks must take identical allocation decisions, but each has its own
   GPU's lease. At that same point of every iteration the TP group agrees (one small
   all-reduce on SGLang's CPU group) on the smallest rank lease and the largest eviction
@@ -433,6 +438,20 @@ def evicting_at_each_iteration(original: AnyCallable) -> AnyCallable:
     return ingest_requests
 
 
+def marking_the_device_fence(original: AnyCallable) -> AnyCallable:
+    """Wrapper for ``Scheduler.run_batch``: the launched batch marks the pool's device fence
+    on the current stream and the overlap scheduler's forward stream."""
+
+    def run_batch(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)
+        pool = pool_of(self.token_to_kv_pool_allocator)
+        if pool is not None and pool.backend is not None:
+            pools.mark_launched(pool.backend.device, (getattr(self, "forward_stream", None),))
+        return result
+
+    return run_batch
+
+
 # --- capacity -------------------------------------------------------------------------
 
 
@@ -572,6 +591,15 @@ def sglang_patch_set(line: str, *, ingest_parameters: tuple[str, ...]) -> PatchS
             Target("sglang.srt.managers.scheduler", "Scheduler.ingest_requests", ingest_parameters),
             evicting_at_each_iteration,
             "ranks agree on their lease and evict at each iteration",
+        ),
+        Patch(
+            Target(
+                "sglang.srt.managers.scheduler",
+                "Scheduler.run_batch",
+                ("self", "batch", "pp_proxy_tensors"),
+            ),
+            marking_the_device_fence,
+            "a launched batch marks the rank's device fence: no unmap before it is done",
         ),
     ]
     requires = [

@@ -23,6 +23,10 @@ What changes in vLLM:
 - **Blocks** (``KVCacheCoordinator.__init__`` and the scheduler steps): the scheduler's
   ``BlockPool`` draws its block ids from the pool (:mod:`.vllm_blocks`); exhaustion makes
   ``allocate_slots`` return ``None`` and the scheduler preempts or waits.
+- **Fences** (``Scheduler.schedule``/``update_from_output``, ``Worker.execute_model``/
+  ``sample_tokens``): a page freed while steps are in flight is unmapped only once their
+  output is back (the scheduler's step fence) and, on every rank, once the work launched
+  on its own device is done (its device fence; :mod:`kvshare.runtime.fence`).
 
 Tensor parallelism uses *coordinated* ownership: each worker serves its device's memory
 through a rank server (``Worker.initialize_from_config`` names the group after vLLM's
@@ -47,8 +51,9 @@ from kvshare.runtime.engines.patching import AnyCallable, Patch, PatchSet, Targe
 from kvshare.runtime.engines.pools import EngineConfigError, Role
 from kvshare.runtime.engines.vllm_blocks import (
     attach,
-    holding_block_pool_lock,
+    finishing_a_step,
     resetting_through_pool,
+    scheduling_a_step,
     usage_of_held_memory,
 )
 
@@ -242,6 +247,18 @@ def checking_the_grant(original: AnyCallable) -> AnyCallable:
             ) from exc
 
     return request_memory
+
+
+def marking_the_device_fence(original: AnyCallable) -> AnyCallable:
+    """Wrapper for ``Worker.execute_model`` and ``Worker.sample_tokens``: once the step's
+    work is launched, this worker's rank marks its device fence on the current stream."""
+
+    def step(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)
+        pools.mark_launched(self.device)
+        return result
+
+    return step
 
 
 def _gib(size: int) -> str:
@@ -514,12 +531,27 @@ def vllm_patch_set(
         *(
             Patch(
                 Target(scheduler, f"Scheduler.{name}", parameters),
-                holding_block_pool_lock,
-                "the pool evicts cached blocks and lowers its lease between scheduler steps",
+                wrap,
+                "the pool evicts, lowers its lease and counts steps between scheduler steps",
             )
-            for name, parameters in (
-                ("schedule", ("self", "throttle_prefills")),
-                ("update_from_output", ("self", "scheduler_output", "model_runner_output")),
+            for name, parameters, wrap in (
+                ("schedule", ("self", "throttle_prefills"), scheduling_a_step),
+                (
+                    "update_from_output",
+                    ("self", "scheduler_output", "model_runner_output"),
+                    finishing_a_step,
+                ),
+            )
+        ),
+        *(
+            Patch(
+                Target(f"{_WORKER}.gpu_worker", f"Worker.{name}", ("self", parameter)),
+                marking_the_device_fence,
+                "a launched step marks the worker's device fence: no unmap before it is done",
+            )
+            for name, parameter in (
+                ("execute_model", "scheduler_output"),
+                ("sample_tokens", "grammar_output"),
             )
         ),
         Patch(
