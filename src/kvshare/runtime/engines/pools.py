@@ -38,7 +38,9 @@ log = logging.getLogger(__name__)
 __all__ = [
     "EngineConfigError",
     "Role",
+    "begin_startup_turn",
     "device_index",
+    "end_startup_turn",
     "forget_pools",
     "lease_for",
     "mark_launched",
@@ -66,8 +68,9 @@ class Role:
     ownership: Literal["local", "coordinated"]
 
 
-_lock = threading.Lock()  # guards _opened
+_lock = threading.Lock()  # guards _opened and _held_turn
 _opened: list[KVPool | RankServer] = []  # closed by forget_pools (engine shutdown, tests)
+_held_turn: contextlib.ExitStack | None = None  # begin_startup_turn .. end_startup_turn
 
 
 def device_index(device: torch.device | str) -> int:
@@ -288,3 +291,25 @@ def startup_turn(role: Role) -> Iterator[None]:
         identity=identity,
     ):
         yield
+
+
+def begin_startup_turn(role: Role) -> None:
+    """Take the GPU's start-up turn for this process until :func:`end_startup_turn` — for an
+    engine whose start-up spans several of its functions (SGLang: one scheduler per
+    process, from loading its weights to building its KV buffers)."""
+    global _held_turn
+    turn = contextlib.ExitStack()
+    turn.enter_context(startup_turn(role))
+    with _lock:
+        previous, _held_turn = _held_turn, turn
+    if previous is not None:
+        previous.close()
+
+
+def end_startup_turn() -> None:
+    """Give back the turn :func:`begin_startup_turn` took, if it is still held."""
+    global _held_turn
+    with _lock:
+        turn, _held_turn = _held_turn, None
+    if turn is not None:
+        turn.close()

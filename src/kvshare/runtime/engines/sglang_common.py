@@ -5,8 +5,12 @@ rank opens its own :class:`~kvshare.runtime.pool.KVPool` with *local* ownership:
 operations never leave the rank, while the real rank and TP size still reach the lease
 (identity, metrics). What changes in SGLang:
 
-- **Capacity** (``KVCacheConfigurator._profile_available_bytes``): the pool's virtual size,
-  inside the GPU's start-up turn, instead of the device's free memory.
+- **Capacity** (``KVCacheConfigurator._profile_available_bytes``): the pool's virtual size
+  instead of the device's free memory.
+- **Start-up turn** (``Scheduler.init_model_worker`` to ``_create_buffers_normal``): the
+  rank holds its GPU's turn from before it loads the model's weights until its KV buffers
+  exist in the pool, so engines starting on one GPU never load into memory the broker has
+  lent out, and the turn's reservation passes to the pool.
 - **Tensors** (``MHATokenToKVPool._create_buffers_normal``): K and V of every layer are
   adjacent buffers of the pool's reserved range, shaped as SGLang shapes them (one pool
   block is one SGLang page; slot 0's page is the pool's reserved block 0). Quantized and
@@ -127,6 +131,7 @@ def buffers_from_pool(original: AnyCallable) -> AnyCallable:
         self.k_buffer = [view(2 * layer) for layer in range(self.layer_num)]
         self.v_buffer = [view(2 * layer + 1) for layer in range(self.layer_num)]
         setattr(self, _POOL_ATTRIBUTE, pool)
+        pools.end_startup_turn()  # the pool holds what the turn reserved
 
     return _create_buffers_normal
 
@@ -464,10 +469,33 @@ def sizing_from_pool(original: AnyCallable) -> AnyCallable:
         device = torch.device(self.device)
         if device.type == "cuda" and cast("int | None", device.index) is None:
             device = torch.device("cuda", self.gpu_id)
-        with pools.startup_turn(_rank_role()):
-            return pools.virtual_kv_bytes(device)
+        return pools.virtual_kv_bytes(device)
 
     return _profile_available_bytes
+
+
+#: The tensor-parallel rank and size of a scheduler (``Scheduler.init_model_worker`` runs
+#: before SGLang's parallel state exists; each line keeps them somewhere else).
+SchedulerRank = Callable[[Any], "tuple[int, int]"]
+
+
+def taking_the_startup_turn(scheduler_rank: SchedulerRank) -> Callable[[AnyCallable], AnyCallable]:
+    """Wrapper for ``Scheduler.init_model_worker``: the rank's start-up turn is held from
+    before the weights load; the KV buffers end it (:func:`buffers_from_pool`), and a
+    start-up that fails or builds none gives it back on the way out."""
+
+    def wrap(original: AnyCallable) -> AnyCallable:
+        def init_model_worker(self: Any) -> None:
+            rank, world_size = scheduler_rank(self)
+            pools.begin_startup_turn(Role(ENGINE, rank, world_size, "local"))
+            try:
+                original(self)
+            finally:
+                pools.end_startup_turn()
+
+        return init_model_worker
+
+    return wrap
 
 
 # --- the patch list -------------------------------------------------------------------
@@ -485,10 +513,18 @@ def evict_tokens(num_tokens: int) -> Any:
     return EvictParams(num_tokens=num_tokens)
 
 
-def sglang_patch_set(line: str, *, ingest_parameters: tuple[str, ...]) -> PatchSet:
-    """The patches of one SGLang line; the lines differ in the scheduler's loop entry."""
+def sglang_patch_set(
+    line: str, *, ingest_parameters: tuple[str, ...], scheduler_rank: SchedulerRank
+) -> PatchSet:
+    """The patches of one SGLang line; the lines differ in the scheduler's loop entry and in
+    where a scheduler's tensor-parallel rank is kept."""
     self_only = ("self",)
     patches = [
+        Patch(
+            Target("sglang.srt.managers.scheduler", "Scheduler.init_model_worker", self_only),
+            taking_the_startup_turn(scheduler_rank),
+            "the rank holds its GPU's start-up turn from its weights to its KV buffers",
+        ),
         Patch(
             Target(
                 f"{_MEM}.kv_cache_configurator",
@@ -496,7 +532,7 @@ def sglang_patch_set(line: str, *, ingest_parameters: tuple[str, ...]) -> PatchS
                 ("self", "pre_model_load_memory"),
             ),
             sizing_from_pool,
-            "KV capacity from the pool's virtual size, in the GPU's start-up turn",
+            "KV capacity from the pool's virtual size, not free memory",
         ),
         Patch(
             Target(_POOL, "MHATokenToKVPool._create_buffers_normal", self_only),
