@@ -29,7 +29,16 @@ from report import write_report
 
 BENCH_DIR = Path(__file__).resolve().parent
 #: Every benchmark, in report order. Each is ``bench/<name>.py`` with ``run(quick)``.
-BENCHMARKS = ("placement", "vmm", "blocks", "broker", "deviceplugin", "operator", "elastic")
+BENCHMARKS = (
+    "placement",
+    "vmm",
+    "blocks",
+    "sglang_alloc",
+    "broker",
+    "deviceplugin",
+    "operator",
+    "elastic",
+)
 
 
 def available() -> list[str]:

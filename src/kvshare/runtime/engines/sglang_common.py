@@ -18,8 +18,10 @@ operations never leave the rank, while the real rank and TP size still reach the
 - **Slots** (both token allocators): the allocator's free list only ever holds pages the
   pool granted for the call at hand. Before an allocation the allocator is topped up from
   ``KVPool.alloc`` with exactly the pages the call needs (nothing when the pool is
-  exhausted, so SGLang's own "no space" path runs: evict, retract or wait); freed pages go
-  straight back to the pool. ``available_size`` is what the pool can hand out now.
+  exhausted, so SGLang's own "no space" path runs: evict, retract or wait); freed pages
+  leave the free list at once and reach the pool when their asynchronous copy to the host
+  is done (:mod:`.host_copies`): nothing on this path waits for the device.
+  ``available_size`` is what the pool can hand out now plus the pages on their way back.
 - **Eviction** (``RadixCache.__init__`` and ``Scheduler.ingest_requests``): the radix
   cache is the pool's evictor. The pool asks from its own thread; the request is carried
   out by the scheduler at the start of its next loop iteration (idle or not), where
@@ -43,7 +45,7 @@ from collections.abc import Callable
 from math import prod
 from typing import TYPE_CHECKING, Any, cast
 
-from kvshare.runtime.engines import pools
+from kvshare.runtime.engines import host_copies, pools
 from kvshare.runtime.engines.group_lease import AgreedLease
 from kvshare.runtime.engines.patching import AnyCallable, Patch, PatchSet, Target
 from kvshare.runtime.engines.pools import EngineConfigError, Role
@@ -60,6 +62,7 @@ __all__ = ["RadixEvictor", "pool_of", "sglang_patch_set"]
 ENGINE = "sglang"
 _POOL_ATTRIBUTE = "_kvshare_pool"
 _GRANTS_ATTRIBUTE = "_kvshare_grants"
+_RETURNING_ATTRIBUTE = "_kvshare_returning"
 _EVICTOR_ATTRIBUTE = "_kvshare_evictor"
 
 
@@ -207,45 +210,68 @@ def _grants(allocator: Any, pool: KVPool) -> torch.Tensor:
     return grants
 
 
+def _returning(allocator: Any) -> list[host_copies.HostCopy]:
+    """Freed pages on their way back to the pool (copies to the host, oldest first)."""
+    returning: list[host_copies.HostCopy] | None = getattr(allocator, _RETURNING_ATTRIBUTE, None)
+    if returning is None:
+        returning = []
+        setattr(allocator, _RETURNING_ATTRIBUTE, returning)
+    return returning
+
+
+def _returning_pages(allocator: Any) -> int:
+    return sum(len(copy) for copy in getattr(allocator, _RETURNING_ATTRIBUTE, None) or ())
+
+
+def _hand_back(allocator: Any, pool: KVPool, *, wait: bool = False) -> None:
+    """Free the pages whose copy to the host is done in the pool (all of them with ``wait``)."""
+    returning = _returning(allocator)
+    while returning and (wait or returning[0].done()):
+        ids = returning.pop(0).values()
+        _grants(allocator, pool)[ids] = False
+        pool.free(ids)
+
+
 def _top_up(allocator: Any, pages: int) -> None:
     """Put pages granted by the pool on the free list until it holds ``pages``."""
-    import torch
-
     pool = pool_of(allocator)
     if pool is None:
         return
+    _hand_back(allocator, pool)
     short = pages - _held_free_pages(allocator)
     if short <= 0:
         return
     ids = pool.alloc(short)
-    if not ids:
+    if not ids and _returning(allocator):
+        _hand_back(allocator, pool, wait=True)  # out of room: the pages on their way back
+        ids = pool.alloc(short)
+    if not isinstance(ids, list) or not ids:
         return  # exhausted: SGLang's own check finds too few pages and says no
-    granted = torch.tensor(ids, dtype=torch.int64)
-    _grants(allocator, pool)[granted] = True
-    allocator.free_pages = torch.cat(
-        (allocator.free_pages, granted.to(allocator.free_pages.device))
-    )
+    import torch
+
+    _grants(allocator, pool)[ids] = True
+    granted = host_copies.to_device(ids, allocator.free_pages)
+    allocator.free_pages = torch.cat((allocator.free_pages, granted))
 
 
 def _drain(allocator: Any) -> None:
-    """Give every page on the allocator's free lists back to the pool."""
+    """Take every page off the allocator's free lists; each goes back to the pool once its
+    copy to the host is done (never waiting for the device here)."""
     pool = pool_of(allocator)
     if pool is None:
         return
     lists = _free_lists(allocator)
     if not lists:
         return
-    import torch
-
-    ids = torch.cat([ids.cpu() for ids in lists])
-    _grants(allocator, pool)[ids] = False
+    returning = _returning(allocator)
+    returning.extend(host_copies.start_to_host(ids) for ids in lists)
     allocator.free_pages = allocator.free_pages[:0]
     if getattr(allocator, "release_pages", None) is not None:
         allocator.release_pages = allocator.release_pages[:0]
     if getattr(allocator, "staged_pages", None):
         allocator.staged_pages = []
         allocator.num_staged_pages = 0
-    pool.free(ids.tolist())
+    _hand_back(allocator, pool)
 
 
 def clearing_into_pool(original: AnyCallable) -> AnyCallable:
@@ -256,6 +282,7 @@ def clearing_into_pool(original: AnyCallable) -> AnyCallable:
         pool = pool_of(self)
         if pool is None:
             return
+        _returning(self).clear()  # still granted: freed with the rest below
         grants = _grants(self, pool)
         held = grants.nonzero().flatten()
         grants.zero_()
@@ -274,7 +301,9 @@ def counting_the_pool(original: AnyCallable) -> AnyCallable:
     def available_size(self: Any) -> int:
         pool = pool_of(self)
         own = int(original(self))
-        return own if pool is None else own + pool.available() * self.page_size
+        if pool is None:
+            return own
+        return own + (pool.available() + _returning_pages(self)) * int(self.page_size)
 
     return available_size
 
@@ -435,6 +464,10 @@ def evicting_at_each_iteration(original: AnyCallable) -> AnyCallable:
     """Wrapper for ``Scheduler.ingest_requests``: pending evictions run first."""
 
     def ingest_requests(self: Any, *args: Any, **kwargs: Any) -> Any:
+        allocator = getattr(self, "token_to_kv_pool_allocator", None)
+        pool = pool_of(allocator) if allocator is not None else None
+        if pool is not None:
+            _hand_back(allocator, pool)  # freed pages whose copy is done, before it evicts
         evictor = evictor_of(getattr(self, "tree_cache", None))
         if evictor is not None:
             evictor.step()
