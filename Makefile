@@ -88,8 +88,8 @@ gpu-check:  ## on an NVIDIA GPU machine with PyTorch (--dry-run: without one)
 	+PYTHONPATH=src $(if $(GPU_CHECK_DRY),$(PY) bench/gpu_check.py --dry-run,$(GPU_PYTHON) \
 		bench/gpu_check.py --write BENCHMARKS.md) $(GPU_CHECK_ARGS)
 
-docs: $(DEV_STAMP)  ## regenerate the README's generated tables
-	$(PY) tools/update_readme.py
+docs: $(DEV_STAMP)  ## regenerate the generated tables in docs/
+	$(PY) tools/update_docs.py
 
 crds: $(DEV_STAMP)  ## write the chart's CRDs from kvshare.api (the one source)
 	$(VENV)/bin/kvshare crds > $(CHART)/crds/kvshare.io.yaml

@@ -1,4 +1,4 @@
-"""Environment variables: one reader, clear errors, and a README table that matches."""
+"""Environment variables: one reader and clear errors."""
 
 from __future__ import annotations
 
@@ -65,10 +65,3 @@ def test_only_the_env_module_reads_the_environment() -> None:
             if pattern.search(line):
                 offenders.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
     assert offenders == [], "read environment variables through kvshare.api.env"
-
-
-def test_readme_configuration_table_matches_the_registry() -> None:
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    match = re.search(r"<!-- env-table:start -->\n(.*?)\n<!-- env-table:end -->", readme, re.S)
-    assert match, "README.md lacks the env-table markers"
-    assert match.group(1) == env.markdown_table(), "run `make docs` to regenerate the table"

@@ -16,9 +16,9 @@ from kvshare.deviceplugin.books import (
     ExpectedPool,
     PoolRecord,
     Send,
-    fair_shares,
 )
 from kvshare.deviceplugin.inventory import GpuInfo
+from kvshare.deviceplugin.policy import GpuState, Policy, fair_shares
 
 GIB = 2**30
 PAGE = 2 * 2**20
@@ -307,8 +307,9 @@ class Node:
     """Engines that start the way real ones do (start-up turn, then the pool's hello) and
     pools that hold at most their lease and release what is reclaimed."""
 
-    def __init__(self) -> None:
-        self.books = Books([GPU], headroom=GIB, reclaim_deadline_s=5.0)
+    def __init__(self, policy: Policy | None = None, kv_max: int | None = None) -> None:
+        self.books = Books([GPU], headroom=GIB, reclaim_deadline_s=5.0, policy=policy)
+        self.kv_max = kv_max
         self.pools: dict[int, SimPool] = {}
         self.starting: dict[int, Hello] = {}
         self.now = 0.0
@@ -321,7 +322,13 @@ class Node:
 
     def start(self, priority: int, min_gib: int, static_gib: int) -> None:
         key = 1000 + len(self.starting) + len(self.pools) + int(self.now * 1000)
-        engine = hello(f"p{key}", priority=priority, kv_min=min_gib * GIB, static=static_gib * GIB)
+        engine = hello(
+            f"p{key}",
+            priority=priority,
+            kv_min=min_gib * GIB,
+            kv_max=None if self.kv_max is None else max(self.kv_max, min_gib * GIB),
+            static=static_gib * GIB,
+        )
         self.starting[key] = engine
         request = TurnRequest(seq=1, gpu=GPU.uuid, static=engine.static, kv_min=engine.kv_min)
         sends = self.books.turn_request(key, request, key, self.now)
@@ -338,10 +345,39 @@ class Node:
         self.deliver(self.books.turn_done(key, self.now))
 
 
+class Reckless:
+    """A policy that asks for everything: every pool grown past the GPU, every pool
+    reclaimed to nothing. The books must keep their rules whatever a policy decides."""
+
+    name = "reckless"
+
+    def grants(self, gpu: GpuState, asking: int | None) -> list[tuple[int, int]]:
+        return [(p.id, 2 * gpu.budget + 1) for p in gpu.pools]
+
+    def reclaims(self, gpu: GpuState) -> dict[int, int]:
+        return {p.id: -1 for p in gpu.pools}
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.lists(operation, min_size=10, max_size=80))
 def test_compliant_pools_never_hold_more_than_the_budget(ops: list[tuple[object, ...]]) -> None:
-    node = Node()
+    run_node(Node(), ops)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(operation, min_size=10, max_size=80))
+def test_the_books_keep_their_rules_whatever_the_policy_decides(
+    ops: list[tuple[object, ...]],
+) -> None:
+    node = Node(Reckless(), kv_max=5 * GIB)
+    run_node(node, ops)
+    for record in node.books.pools():
+        assert record.lease >= record.kv_min
+
+
+def run_node(node: Node, ops: list[tuple[object, ...]]) -> None:
+    """Apply ``ops`` to ``node``, checking after each that compliant pools never hold
+    more than the GPU's budget, every byte held is charged, and leases respect kv max."""
     books, pools = node.books, node.pools
     for op in ops:
         kind = op[0]

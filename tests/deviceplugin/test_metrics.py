@@ -1,5 +1,5 @@
 """The node agent's metrics: the names the design and the chart rely on, per-pool labels,
-the README's table, and /healthz and /readyz over HTTP."""
+and /healthz and /readyz over HTTP."""
 
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ from prometheus_client import generate_latest
 from kvshare.api.wire import Hello, Report
 from kvshare.deviceplugin.books import Books
 from kvshare.deviceplugin.inventory import parse_fake_gpus
-from kvshare.deviceplugin.metrics import NodeMetrics, markdown_table, metric_names
+from kvshare.deviceplugin.metrics import NodeMetrics, metric_names
 from kvshare.deviceplugin.peers import process_start_time
 
-from .conftest import GIB, ROOT, AgentProcess, wait_until
+from .conftest import GIB, AgentProcess, wait_until
 
 DESIGN_NAMES = {
     "kvshare_gpu_memory_total_bytes",
@@ -67,15 +67,6 @@ def test_pool_series_carry_their_identity_as_labels() -> None:
     assert samples[f"kvshare_pool_kv_lease_bytes{{{labels}}}"] == 3 * GIB
     assert samples[f"kvshare_pool_kv_mapped_bytes{{{labels}}}"] == 2 * GIB
     assert samples[f'kvshare_broker_grants_total{{gpu="{gpus[0].uuid}"}}'] == 2
-
-
-def test_the_readme_lists_every_metric() -> None:
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    match = re.search(
-        r"<!-- node-metrics:start -->\n(.*?)\n<!-- node-metrics:end -->", readme, re.S
-    )
-    assert match, "README.md lacks the node-metrics block"
-    assert match.group(1) == markdown_table(), "run `make docs` to regenerate the table"
 
 
 def _get(port: int, path: str) -> tuple[int, str]:

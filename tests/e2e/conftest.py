@@ -1,7 +1,8 @@
 """The e2e suite runs against a real cluster (KUBECONFIG) with kvshare installed.
 
-See README.md, "Testing": a kind (or any) cluster, the chart installed with the node agent
-on fake GPUs (``nodeAgent.fakeGpus``, i.e. ``kvshare node --fake-gpus 2x80Gi``).
+See docs/development.md, "Testing the operator": a kind (or any) cluster, the chart
+installed with the node agent on fake GPUs (``nodeAgent.fakeGpus``, i.e.
+``kvshare node --fake-gpus 2x80Gi``).
 """
 
 from __future__ import annotations

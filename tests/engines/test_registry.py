@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import re
-from pathlib import Path
-
 import pytest
 from tools import engine_env
 
@@ -14,9 +11,6 @@ from kvshare.api.engines import (
     find_line,
     parse_release,
 )
-from kvshare.runtime.engines import docs
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize(
@@ -74,12 +68,3 @@ def test_the_test_environments_pin_the_tested_releases() -> None:
     for line in SUPPORTED:
         engine_layer = engine_env.layers(line)[0]
         assert engine_layer.requirements == (f"{line.engine}=={line.tested}",)
-
-
-@pytest.mark.parametrize("block", ["engine-support", "engine-patches"])
-def test_readme_engine_tables_match_the_patch_table(block: str) -> None:
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    match = re.search(rf"<!-- {block}:start -->\n(.*?)\n<!-- {block}:end -->", readme, re.S)
-    assert match, f"README.md lacks the {block} markers"
-    produce = docs.support_table if block == "engine-support" else docs.patch_table
-    assert match.group(1) == produce(), "run `make docs` to regenerate the table"

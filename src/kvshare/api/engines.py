@@ -3,7 +3,7 @@
 Everything that names supported versions reads :data:`SUPPORTED`: the operator (which
 refuses a ModelServer whose image runs another version), the runtime's start-up refusal
 and patch lookup (:mod:`kvshare.runtime.engines.registry`), the test environments' pins
-(``make engines``) and the README's support table. Standard library only: the runtime
+(``make engines``) and the support table in docs/engines.md. Standard library only: the runtime
 bundle imports it inside engine images.
 """
 
@@ -138,7 +138,7 @@ def find_line(engine: str, version: str) -> SupportedLine:
 
 
 def markdown_table() -> str:
-    """The README's support table, generated from :data:`SUPPORTED`."""
+    """The support table of docs/engines.md, generated from :data:`SUPPORTED`."""
     rows = [
         "| engine | versions | tested with | TP ownership | patch module |",
         "|---|---|---|---|---|",

@@ -1,7 +1,7 @@
 """Every environment variable kvshare reads: name, default, meaning, and its one parser.
 
 This module is the only place in kvshare that reads the process environment. Code asks
-for a setting with ``env.KV_MIN.read()``; the README's configuration table is generated
+for a setting with ``env.KV_MIN.read()``; the table in docs/configuration.md is generated
 from :data:`ALL` (``make docs``) and a test keeps the two in step.
 """
 
@@ -218,7 +218,7 @@ LOG_LEVEL = EnvVar(
     "all",
 )
 
-#: Every variable, in the order the README lists them.
+#: Every variable, in the order docs/configuration.md lists them.
 ALL: tuple[EnvVar[object], ...] = (
     ENABLE,
     BACKEND,
@@ -252,7 +252,7 @@ def cuda_visible_devices() -> str | None:
 
 
 def markdown_table() -> str:
-    """The README's configuration reference, generated from :data:`ALL`."""
+    """The configuration reference of docs/configuration.md, generated from :data:`ALL`."""
     rows = ["| variable | default | read by | meaning |", "|---|---|---|---|"]
     for var in ALL:
         default = f"`{var.default}`" if var.default is not None else "unset"

@@ -146,7 +146,7 @@ class NodeMetrics(BrokerEvents):
     def __init__(self, source: Callable[[], BooksView | None] | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self._source = source
-        #: Family name -> label names of the event metrics (for the README's table).
+        #: Family name -> label names of the event metrics (for the table in docs/metrics.md).
         self.labelnames: dict[str, tuple[str, ...]] = {}
         self.grants = self._counter(
             "kvshare_broker_grants", "Lease grants (each Want or serve that grew a lease).", "gpu"
@@ -301,7 +301,7 @@ def metric_names() -> list[str]:
 
 
 def markdown_table() -> str:
-    """The README's table of node-agent metrics, generated from the registry."""
+    """The table of node-agent metrics in docs/metrics.md, generated from the registry."""
     metrics = NodeMetrics()
     labels = {
         **metrics.labelnames,

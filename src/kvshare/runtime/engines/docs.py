@@ -1,4 +1,4 @@
-"""The README's tables of engine support, generated from the support table and the patch sets.
+"""The tables of engine support in docs/engines.md, from the support table and patch sets.
 
 Importing a patch module imports neither torch nor the engine (targets are imported when
 patches are applied), so ``make docs`` runs anywhere.

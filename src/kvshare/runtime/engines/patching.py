@@ -55,7 +55,7 @@ class Patch:
     target: Target
     wrap: Wrapper
     why: str
-    """What the patch changes, for logs and the README."""
+    """What the patch changes, for logs and docs/engines.md."""
 
 
 @dataclass(frozen=True)
