@@ -63,8 +63,8 @@ def test_a_failed_init_device_gives_the_turn_back(monkeypatch: pytest.MonkeyPatc
     events: list[str] = []
 
     @contextlib.contextmanager
-    def recording_turn(role: Role) -> Iterator[None]:
-        events.append(f"take {role.engine} rank {role.rank}/{role.world_size}")
+    def recording_turn(role: Role, group: str = "") -> Iterator[None]:
+        events.append(f"take {role.engine} rank {role.rank}/{role.world_size} of {group}")
         try:
             yield
         finally:
@@ -84,7 +84,7 @@ def test_a_failed_init_device_gives_the_turn_back(monkeypatch: pytest.MonkeyPatc
     worker = SimpleNamespace(vllm_config=config, local_rank=1)
     with pytest.raises(RuntimeError, match="no GPU"):
         vllm_common.taking_the_startup_turn(init_device)(worker)
-    assert events == ["take vllm rank 1/2", "init_device", "give back"]
+    assert events == ["take vllm rank 1/2 of vllm-abc-dp0", "init_device", "give back"]
 
 
 def test_vllm_groups_are_named_after_the_engine_instance() -> None:

@@ -212,7 +212,11 @@ class Reclaim(Message):
 
 @dataclass(frozen=True, slots=True)
 class TurnRequest(Message):
-    """Ask for the GPU's start-up turn, with room for ``static`` + ``kv_min`` bytes."""
+    """Ask for the GPU's start-up turn, with room for ``static`` + ``kv_min`` bytes.
+
+    The ranks of a tensor-parallel group (``group``, ``group_size`` > 1, each with its own
+    ``rank`` and GPU) get their turns together, once every rank has asked.
+    """
 
     TYPE: ClassVar[str] = "turn-request"
     seq: int
@@ -221,6 +225,8 @@ class TurnRequest(Message):
     kv_min: int = 0
     pod_uid: str = ""
     rank: int = 0
+    group: str = ""
+    group_size: int = 1
 
 
 @dataclass(frozen=True, slots=True)

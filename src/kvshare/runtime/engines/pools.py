@@ -264,10 +264,12 @@ def forget_pools() -> None:
 
 
 @contextlib.contextmanager
-def startup_turn(role: Role) -> Iterator[None]:
+def startup_turn(role: Role, group: str = "") -> Iterator[None]:
     """Hold the GPU's start-up turn from the broker while the engine profiles memory.
 
-    Without a node agent (``KVSHARE_KV_LIMIT`` standalone use) there is no turn to take.
+    The ranks of a tensor-parallel group name their ``group`` (unique within the pod): the
+    broker gives them their turns together. Without a node agent (``KVSHARE_KV_LIMIT``
+    standalone use) there is no turn to take.
     """
     from kvshare.runtime.broker_client import (
         PoolIdentity,
@@ -289,17 +291,18 @@ def startup_turn(role: Role) -> Iterator[None]:
         static_bytes=env.STATIC_BYTES.require(),
         kv_min=env.KV_MIN.require(),
         identity=identity,
+        group="/".join(part for part in (identity.pod_uid, group or role.engine) if part),
     ):
         yield
 
 
-def begin_startup_turn(role: Role) -> None:
+def begin_startup_turn(role: Role, group: str = "") -> None:
     """Take the GPU's start-up turn for this process until :func:`end_startup_turn` — for an
     engine whose start-up spans several of its functions (SGLang: one scheduler per
     process, from loading its weights to building its KV buffers)."""
     global _held_turn
     turn = contextlib.ExitStack()
-    turn.enter_context(startup_turn(role))
+    turn.enter_context(startup_turn(role, group))
     with _lock:
         previous, _held_turn = _held_turn, turn
     if previous is not None:

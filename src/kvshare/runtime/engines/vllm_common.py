@@ -208,9 +208,8 @@ def taking_the_startup_turn(original: AnyCallable) -> AnyCallable:
     def init_device(self: Any) -> None:
         group = group_of(self.vllm_config)
         turn = contextlib.ExitStack()
-        turn.enter_context(
-            pools.startup_turn(Role(ENGINE, int(self.local_rank), group.world_size, "coordinated"))
-        )
+        role = Role(ENGINE, int(self.local_rank), group.world_size, "coordinated")
+        turn.enter_context(pools.startup_turn(role, group.name))
         setattr(self, _TURN_ATTRIBUTE, turn)
         try:
             original(self)
