@@ -113,7 +113,8 @@ ENABLE = EnvVar(
 BACKEND = EnvVar(
     "KVSHARE_BACKEND",
     "auto",
-    "virtual-memory backend of the KV pool: cuda, host, or auto (cuda when a driver answers)",
+    "virtual-memory backend of the KV pool: cuda, host, or auto (cuda when a driver answers; "
+    "host only where the container has no GPU, else start-up stops naming what it found)",
     _choice("auto", "cuda", "host"),
     "runtime",
 )
