@@ -40,6 +40,7 @@ operations never leave the rank, while the real rank and TP size still reach the
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable
 from math import prod
@@ -520,7 +521,9 @@ def taking_the_startup_turn(scheduler_rank: SchedulerRank) -> Callable[[AnyCalla
     def wrap(original: AnyCallable) -> AnyCallable:
         def init_model_worker(self: Any) -> None:
             rank, world_size = scheduler_rank(self)
-            pools.begin_startup_turn(Role(ENGINE, rank, world_size, "local"))
+            # An engine's ranks are children of one launcher process: its pid names the group.
+            group = f"{ENGINE}-{os.getppid()}"
+            pools.begin_startup_turn(Role(ENGINE, rank, world_size, "local"), group)
             try:
                 original(self)
             finally:
