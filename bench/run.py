@@ -38,6 +38,7 @@ BENCHMARKS = (
     "deviceplugin",
     "operator",
     "elastic",
+    "fuzz",
 )
 
 

@@ -10,13 +10,14 @@
 from __future__ import annotations
 
 import copy
+import math
 from typing import Any
 
 import celpy
 import jsonschema
 from celpy import celtypes
 
-from kvshare.api.quantity import parse_quantity
+from kvshare.api.quantity import QuantityError, QuantityTooLargeError, parse_quantity
 
 _ANY_OF_ALLOWED = {"x-kubernetes-int-or-string"}
 
@@ -71,7 +72,24 @@ class _Quantity(celtypes.DoubleType):
 
 
 def _quantity(text: Any) -> _Quantity:
-    return _Quantity(float(parse_quantity(str(text))))
+    try:
+        return _Quantity(float(parse_quantity(str(text))))
+    except QuantityTooLargeError:  # Kubernetes parses it (a big decimal): larger than all
+        return _Quantity(math.inf)
+
+
+def _is_int64(value: float) -> bool:
+    return math.isfinite(value) and value == int(value) and abs(value) < 2**63
+
+
+def _is_quantity(text: Any) -> celtypes.BoolType:
+    try:
+        parse_quantity(str(text))
+    except QuantityTooLargeError:
+        return celtypes.BoolType(True)
+    except QuantityError:
+        return celtypes.BoolType(False)
+    return celtypes.BoolType(True)
 
 
 def _compare_to(left: Any, right: Any) -> celtypes.IntType:
@@ -80,6 +98,9 @@ def _compare_to(left: Any, right: Any) -> celtypes.IntType:
 
 _CEL_FUNCTIONS = {
     "quantity": _quantity,
+    "isQuantity": _is_quantity,
+    "sign": lambda q: celtypes.IntType((float(q) > 0) - (float(q) < 0)),
+    "isInteger": lambda q: celtypes.BoolType(_is_int64(float(q))),
     "compareTo": _compare_to,
     "isLessThan": lambda a, b: celtypes.BoolType(a < b),
     "isGreaterThan": lambda a, b: celtypes.BoolType(a > b),

@@ -111,7 +111,37 @@ INVALID = [
     ),
     (("spec.engine", "tgi"), "spec.engine: 'tgi' is not one of ['vllm', 'sglang']", "engine: "),
     (("spec.tensorParallelSize", 3), "spec.tensorParallelSize: 3 is not one of", "tensorParallel"),
-    (("spec.staticMemory", "18GB"), "spec.staticMemory: '18GB' does not match", "staticMemory: "),
+    (
+        ("spec.staticMemory", "18GB"),
+        "18GB is not a memory size: write a whole number of bytes, optionally with a unit (Ki, "
+        "Mi, Gi, Ti or k, M, G, T) or an exponent, e.g. 40Gi, 512Mi, 18G or 2e10",
+        "staticMemory: 18GB is not a memory size: write a whole number of bytes",
+    ),
+    (("spec.staticMemory", "-18Gi"), "-18Gi is not a memory size", "staticMemory: -18Gi is not"),
+    (("spec.staticMemory", "1500m"), "1500m is not a memory size", "staticMemory: 1500m is not"),
+    (
+        ("spec.kvCache", {"min": "4Gi", "max": "10Pi"}),
+        "10Pi is more than 1Ti, the most one worker may ask for (no GPU has more memory)",
+        "kvCache.max: 10Pi is more than 1Ti, the most one worker may ask for",
+    ),
+    (("spec.kvCache", {"min": "1e400"}), "1e400 is more than 1Ti", "kvCache.min: 1e400 is more"),
+    (("spec.staticMemory", "1" * 65), "spec.staticMemory: '111", "staticMemory: 111"),
+    *(
+        (
+            ("spec.image", image),
+            "must be a container image reference such as vllm/vllm-openai:v0.33.0 or "
+            "registry.example.com:5000/team/vllm@sha256:<digest>",
+            "image: must be a container image reference",
+        )
+        for image in [
+            "vllm/vllm-openai:v0.33.0\n",
+            "vllm/vllm-openai:v0.33.0\x1b[2J",
+            "vllm/vllm-\u043epenai:v0.33.0",  # a Cyrillic o
+            "vllm/vllm-openai:v0.33.0 --privileged",
+            "Vllm/vllm-openai",
+            "vllm/vllm-openai:",
+        ]
+    ),
     (("spec.replicas", -1), "spec.replicas: -1 is less than the minimum of 0", "replicas: "),
     (
         ("spec.podLabels", {"team": "a", "kvshare.io/replica": "7"}),
@@ -162,6 +192,31 @@ def test_invalid_modelservers_fail_in_the_crd_and_the_model_alike(
     with pytest.raises(SpecError) as info:
         validate(ModelServerSpec, obj["spec"])
     assert any(p.startswith(model_says) for p in info.value.problems), info.value.problems
+
+
+@pytest.mark.parametrize(
+    "image",
+    [
+        "vllm/vllm-openai",
+        "localhost:5000/vllm:latest",
+        "nvcr.io/nvidia/tritonserver:24.01-py3",
+        "lmsysorg/sglang:v0.5.23-cu126",
+        "registry.example.com:5000/team/my_vllm@sha256:" + "0a" * 32,
+        "ghcr.io/org/vllm:v0.33.0@sha256:" + "f" * 64,
+    ],
+)
+def test_image_references_in_every_usual_form_are_accepted(image: str) -> None:
+    obj = _with(qwen_example(), "spec.image", image)
+    assert admit(MODELSERVER_CRD, obj) == []
+    validate(ModelServerSpec, obj["spec"])
+
+
+def test_a_modelserver_with_engine_image_model_and_static_memory_only_is_accepted() -> None:
+    obj = qwen_example()
+    obj["spec"] = {key: obj["spec"][key] for key in ("engine", "image", "model", "staticMemory")}
+    assert admit(MODELSERVER_CRD, obj) == []
+    spec = validate(ModelServerSpec, obj["spec"])
+    assert spec.kv_cache.min == 0 and spec.kv_cache.max is None and spec.kv_cache.priority == 100
 
 
 def test_cel_rule_accepts_min_equal_to_max_in_different_units() -> None:

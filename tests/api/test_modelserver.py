@@ -56,8 +56,17 @@ def test_min_above_max_names_both_values() -> None:
 def test_bad_quantity_names_the_field() -> None:
     found = problems(spec(kvCache={"min": "4GB"}))
     assert len(found) == 1
-    assert found[0].startswith("kvCache.min: ")
-    assert "'4GB' is not a valid quantity" in found[0]
+    assert found[0] == (
+        "kvCache.min: 4GB is not a memory size: write a whole number of bytes, optionally "
+        "with a unit (Ki, Mi, Gi, Ti or k, M, G, T) or an exponent, e.g. 40Gi, 512Mi, 18G or 2e10"
+    )
+
+
+def test_engine_image_model_and_static_memory_are_enough() -> None:
+    minimal = {"engine": "vllm", "image": "vllm/vllm-openai:v0.33.0",
+               "model": "Qwen/Qwen2.5-7B-Instruct", "staticMemory": "18Gi"}  # fmt: skip
+    parsed = validate(ModelServerSpec, minimal)
+    assert (parsed.kv_cache.min, parsed.kv_cache.max, parsed.kv_cache.priority) == (0, None, 100)
 
 
 def test_missing_and_unknown_fields_are_listed_together() -> None:

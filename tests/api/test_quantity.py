@@ -49,7 +49,8 @@ def test_parse_bytes_accepts_kubernetes_quantities(text: str | int, expected: in
         ("-1Gi", "is negative"),
         ("1m", "not a whole number of bytes"),
         ("0.1", "not a whole number of bytes"),
-        ("1e999", "exponent 999 is out of range"),
+        ("1e999", "larger than any memory size"),
+        ("1e-999", "exponent -999 is out of range"),
     ],
 )
 def test_parse_bytes_explains_bad_input(text: str, message: str) -> None:

@@ -40,7 +40,14 @@ MESSAGES = [
     Refused(reason="fit: no room"),
     Lease(seq=1, limit=2**31, reason="granted"),
     Reclaim(seq=9, limit=2**30, deadline_s=10.0, reason="contention"),
-    TurnRequest(seq=1, gpu="GPU-1", static=2**33, kv_min=2**30, pod_uid="u", rank=1),
+    TurnRequest(
+        seq=1,
+        gpu="GPU-1",
+        static=2**33,
+        kv_min=2**30,
+        pod_uid="0f8fad5b-d9cb-469f-a165-70867728950e",
+        rank=1,
+    ),
     TurnGranted(seq=1, hold_s=600.0),
     TurnRefused(seq=1, reason="draining"),
     TurnDone(seq=1),
@@ -74,7 +81,7 @@ def payload(**fields: object) -> bytes:
         (b"not json", "not a JSON object"),
         (b"[1]", "not a JSON object"),
         (payload(type="grant-everything"), "unknown message type 'grant-everything'"),
-        (payload(seq=1, total=2), "unknown message type None"),
+        (payload(seq=1, total=2), "the message has no type"),
         (payload(type="want", seq=1), "missing fields ['total']"),
         (payload(type="want", seq=1, total=2, pool_id=3), "unknown fields ['pool_id']"),
         (payload(type="want", seq="1", total=2), "Want.seq: expected an integer"),
@@ -82,6 +89,7 @@ def payload(**fields: object) -> bytes:
         (payload(type="report", mapped=1.5, used=0, cached=0, reserved=0), "expected an integer"),
         (payload(**{**dataclasses.asdict(HELLO), "type": "hello", "resume": 1}), "true or false"),
         (b"\xff\xfe", "not a JSON object"),
+        (json.dumps({"type": "bye"}).encode("utf-16"), "can't decode"),  # UTF-8 only
     ],
 )
 def test_anything_else_is_a_protocol_error(raw: bytes, fragment: str) -> None:

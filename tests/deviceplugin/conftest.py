@@ -60,6 +60,14 @@ def check_engines_take_turns(
     assert events == ["first starts", "first done", "second starts", "second done"]
 
 
+def kvshare_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    """Run ``kvshare ARGS...`` (ctl, top) as a user would, and wait for it."""
+    return subprocess.run(
+        [sys.executable, "-m", "kvshare.cli", *args],
+        cwd=ROOT, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+
+
 @pytest.fixture
 def short_tmp() -> Iterator[Path]:
     """A short directory for unix sockets (paths must stay under 108 bytes)."""

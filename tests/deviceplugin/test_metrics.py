@@ -16,7 +16,7 @@ from prometheus_client import generate_latest
 from kvshare.api.wire import Hello, Report
 from kvshare.deviceplugin.books import Books
 from kvshare.deviceplugin.inventory import parse_fake_gpus
-from kvshare.deviceplugin.metrics import NodeMetrics, metric_names
+from kvshare.deviceplugin.metrics import MetricsServer, NodeMetrics, metric_names
 from kvshare.deviceplugin.peers import process_start_time
 
 from .conftest import GIB, AgentProcess, wait_until
@@ -54,7 +54,7 @@ def test_pool_series_carry_their_identity_as_labels() -> None:
     assert pool is not None
     books.want(pool.id, 1, 3 * GIB, 0.0)
     books.report(pool.id, Report(mapped=2 * GIB, used=GIB, cached=0, reserved=0), 0.0)
-    metrics.set_source(lambda: books.view(0.0))
+    metrics.set_source(lambda: books.view(0.0), [gpus[0].uuid])
     samples = {
         line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
         for line in generate_latest(metrics.registry).decode().splitlines()
@@ -95,3 +95,24 @@ def test_readyz_waits_for_the_pools_of_a_previous_broker(
     wait_until(lambda: _get(agent.metrics_port, "/readyz")[0] == 200, what="readiness")
     assert "did not re-declare" in "".join(agent.log)
     assert _get(agent.metrics_port, "/nope")[0] == 404
+
+
+def test_an_exporter_that_cannot_render_answers_500_and_is_not_ready() -> None:
+    # A value that got past every check (the codec refuses it: see test_hostile_peers):
+    # the scrape says why, and /readyz stops reporting a node Prometheus cannot read.
+    gpus = parse_fake_gpus("1x16Gi", "n")
+    books = Books(gpus, headroom=GIB)
+    hello = Hello(version=1, gpu=gpus[0].uuid, page_size=2 * 2**20, kv_min=0, kv_max=None,
+                  priority=100, static=0, namespace="\ud800", pod="qwen-0")  # fmt: skip
+    assert books.admit(hello, 42, 0.0).record is not None
+    metrics = NodeMetrics(lambda: books.view(0.0))
+    server = MetricsServer("127.0.0.1", 0, metrics, lambda: (True, "ok"), lambda: (True, "ok"))
+    server.start()
+    try:
+        assert _get(server.port, "/healthz") == (200, "ok\n")
+        status, body = _get(server.port, "/metrics")
+        assert status == 500 and "UnicodeEncodeError" in body
+        status, body = _get(server.port, "/readyz")
+        assert status == 503 and body.startswith("metrics exporter cannot serve")
+    finally:
+        server.stop()

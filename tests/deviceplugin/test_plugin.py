@@ -104,7 +104,7 @@ def test_allocate_gives_visible_gpus_the_broker_mount_and_kvshare_env(
     assert envs["KVSHARE_GPU_UUIDS"] == f"{gpus[0].uuid},{gpus[1].uuid}"  # rank = GPU order
     assert envs["KVSHARE_BROKER_SOCKET"] == f"{names.RUN_DIR}/broker.sock"
     assert envs["KVSHARE_BACKEND"] == "host"  # fake GPUs: no NVIDIA devices to expose
-    assert "NVIDIA_VISIBLE_DEVICES" not in envs
+    assert "NVIDIA_VISIBLE_DEVICES" not in envs and "CUDA_VISIBLE_DEVICES" not in envs
     [mount] = response.mounts
     assert (mount.container_path, mount.read_only) == (names.RUN_DIR, True)
     assert mount.host_path == str(agent.config.broker_socket.parent)

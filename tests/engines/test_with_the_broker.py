@@ -40,7 +40,7 @@ def agent(short_tmp: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[AgentPro
         env.STATIC_BYTES.name: str(256 * MIB),
         env.POD_NAMESPACE.name: "llm",
         env.POD_NAME.name: "qwen-0",
-        env.POD_UID.name: "uid-qwen-0",
+        env.POD_UID.name: "0f8fad5b-d9cb-469f-a165-70867728950e",
         env.MODELSERVER.name: "qwen",
     }
     for name, value in settings.items():

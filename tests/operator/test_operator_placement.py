@@ -187,3 +187,39 @@ async def test_a_waiting_replica_takes_the_room_another_modelservers_pod_leaves(
     # No KVShareNode update: the pod going away is what frees the room.
     await cluster.patch(MS, NAMESPACE, "first", {"spec": {"replicas": 0}})
     await wait_for(lambda: list(cluster.pods()) == ["second-0"], "second-0 placed")
+
+
+async def test_colocation_rules_naming_missing_modelservers_are_reported_until_they_exist(
+    cluster: Cluster, start_operator: StartOperator
+) -> None:
+    await cluster.add_gpu_node("gpu-node-1", [Gpu("GPU-1a"), Gpu("GPU-1b")])
+    start_operator()
+    await cluster.create(
+        MS, modelserver(colocateWith=["llama"], avoidColocationWith=["mistral", "qwen-small"])
+    )
+    await cluster.create(MS, modelserver("qwen-small", staticMemory="4Gi", kvCache={"min": "1Gi"}))
+
+    def resolved() -> dict[str, object]:
+        return cluster.condition("qwen", "ResolvedRefs")
+
+    await wait_for(lambda: resolved().get("status") == "False", "ResolvedRefs=False")
+    assert resolved()["reason"] == "ModelServerNotFound"
+    assert resolved()["message"] == (
+        "colocateWith names llama; avoidColocationWith names mistral: no ModelServer of "
+        "that name in namespace llm (placement ignores the names until they exist)"
+    )
+    (event,) = await wait_for(lambda: cluster.events("ModelServerNotFound"), "a Warning event")
+    assert event["type"] == "Warning" and "llama" in event["message"]
+    # Still placed: a missing name is a preference that cannot apply yet, not an error.
+    await wait_for(lambda: "qwen-0" in cluster.pods(), "qwen placed anyway")
+
+    await cluster.create(MS, modelserver("llama", staticMemory="4Gi", kvCache={"min": "1Gi"}))
+    await wait_for(lambda: "llama" not in resolved().get("message", "x"), "llama found")
+    assert resolved()["message"].startswith("avoidColocationWith names mistral: ")
+    await cluster.create(MS, modelserver("mistral", staticMemory="4Gi", kvCache={"min": "1Gi"}))
+    await wait_for(lambda: resolved().get("status") == "True", "every name found")
+    assert resolved()["reason"] == "ResolvedRefs"
+
+    await cluster.delete(MS, NAMESPACE, "llama")
+    await wait_for(lambda: resolved().get("status") == "False", "llama gone again")
+    assert resolved()["message"].startswith("colocateWith names llama: ")

@@ -47,6 +47,7 @@ def test_all_replicas_ready_is_phase_ready_with_every_condition_set() -> None:
         "Ready": ("True", "ReplicasReady"),
         "Progressing": ("False", "UpToDate"),
         "Degraded": ("False", "AsExpected"),
+        "ResolvedRefs": ("True", "ResolvedRefs"),
     }
     assert all(
         c["observedGeneration"] == 3 and c["lastTransitionTime"] == T0 for c in result["conditions"]
@@ -66,7 +67,8 @@ def test_transition_time_moves_only_when_a_condition_changes_status() -> None:
     assert again == first  # nothing changed: nothing to write
     ready = status(Observation(generation=2, desired=1, pods=[pod(0)], plan=Plan()), first, now=T1)
     times = {c["type"]: c["lastTransitionTime"] for c in ready["conditions"]}
-    assert times == {"Placed": T0, "Ready": T1, "Progressing": T1, "Degraded": T0}
+    assert times == {"Placed": T0, "Ready": T1, "Progressing": T1, "Degraded": T0,
+                     "ResolvedRefs": T0}  # fmt: skip
     assert {c["observedGeneration"] for c in ready["conditions"]} == {2}
 
 
@@ -213,3 +215,21 @@ def test_failing_replicas_are_degraded_with_the_pod_and_why_and_clear_when_ready
     )
     assert recovered["phase"] == "Ready"
     assert conditions(recovered)["Degraded"] == ("False", "AsExpected")
+
+
+def test_colocation_rules_naming_missing_modelservers_are_a_condition_and_a_warning() -> None:
+    missing = {"colocateWith": ["llama"], "avoidColocationWith": ["a", "b"]}
+    obs = Observation(generation=1, desired=1, plan=Plan(), namespace="llm", missing_refs=missing)
+    result = status(obs)
+    assert conditions(result)["ResolvedRefs"] == ("False", "ModelServerNotFound")
+    assert result["phase"] != "Degraded"  # a preference that cannot apply yet, not a fault
+    (event,) = [e for e in condition_events([], result["conditions"]) if e.type == "Warning"]
+    assert event.reason == "ModelServerNotFound"
+    assert event.message == (
+        "colocateWith names llama; avoidColocationWith names a, b: no ModelServer of that "
+        "name in namespace llm (placement ignores the names until they exist)"
+    )
+    unreadable = status(
+        replace(obs, plan=None, problem=Problem("InvalidSpec", "x"), missing_refs=None)
+    )
+    assert conditions(unreadable)["ResolvedRefs"] == ("Unknown", "SpecNotServable")

@@ -3,7 +3,8 @@
 - :class:`KubeModel`: the base of every CR model (camelCase wire names, unknown fields
   refused, attribute docstrings become the CRD's field descriptions for `kubectl explain`).
 - :data:`ByteQuantity`: a memory size, an ``int`` of bytes in Python and a Kubernetes
-  quantity (``40Gi``) on the wire.
+  quantity (``40Gi``) on the wire; :data:`WorkerMemory`, the same for the sizes users
+  write, bounded, and refused at ``kubectl apply`` in words rather than with a pattern.
 - :class:`CelRule` and :func:`cel_rules`: cross-field rules, written once as the CEL the
   API server runs at ``kubectl apply``; the models check the same rule in Python.
 - Shapes borrowed from core Kubernetes (conditions, tolerations, env vars, resources).
@@ -27,7 +28,14 @@ from pydantic import (
 )
 from pydantic.alias_generators import to_camel
 
-from kvshare.api.quantity import QUANTITY_PATTERN, format_bytes, parse_bytes
+from kvshare.api.names import MAX_WORKER_MEMORY_BYTES
+from kvshare.api.quantity import (
+    QUANTITY_PATTERN,
+    QuantityError,
+    QuantityTooLargeError,
+    format_bytes,
+    parse_bytes,
+)
 
 __all__ = [
     "DNS_SUBDOMAIN_PATTERN",
@@ -40,6 +48,7 @@ __all__ = [
     "ResourceRequirements",
     "SpecError",
     "Toleration",
+    "WorkerMemory",
     "cel_rules",
     "validate",
 ]
@@ -67,18 +76,18 @@ def _parse_quantity_field(value: object) -> int:
     raise ValueError(f"{value!r} is not a quantity (expected e.g. 40Gi, 512Mi or 1e9)")
 
 
+_AS_QUANTITY = PlainSerializer(format_bytes, return_type=str, when_used="json")
+_INT_OR_STRING = {
+    "anyOf": [{"type": "integer"}, {"type": "string"}],
+    "x-kubernetes-int-or-string": True,
+}
+
 #: A memory size: ``int`` bytes in Python, a Kubernetes quantity on the wire.
 ByteQuantity = Annotated[
     int,
     BeforeValidator(_parse_quantity_field),
-    PlainSerializer(format_bytes, return_type=str, when_used="json"),
-    WithJsonSchema(
-        {
-            "anyOf": [{"type": "integer"}, {"type": "string"}],
-            "pattern": QUANTITY_PATTERN,
-            "x-kubernetes-int-or-string": True,
-        }
-    ),
+    _AS_QUANTITY,
+    WithJsonSchema({**_INT_OR_STRING, "pattern": QUANTITY_PATTERN}),
 ]
 
 
@@ -108,6 +117,59 @@ class CelRule:
 def cel_rules(*rules: CelRule) -> dict[str, Any]:
     """``json_schema_extra`` for a model whose schema carries ``rules``."""
     return {"x-kubernetes-validations": [rule.to_schema() for rule in rules]}
+
+
+#: What a memory size looks like, for people (the API server and the models say the same).
+NOT_A_MEMORY_SIZE = (
+    "is not a memory size: write a whole number of bytes, optionally with a unit (Ki, Mi, "
+    "Gi, Ti or k, M, G, T) or an exponent, e.g. 40Gi, 512Mi, 18G or 2e10"
+)
+TOO_LARGE = (
+    f"is more than {format_bytes(MAX_WORKER_MEMORY_BYTES)}, the most one worker may ask for "
+    "(no GPU has more memory)"
+)
+
+
+def _parse_worker_memory(value: object) -> int:
+    shown = value if isinstance(value, int | str) and not isinstance(value, bool) else repr(value)
+    try:
+        size = parse_bytes(value)  # type: ignore[arg-type]
+    except QuantityTooLargeError:
+        size = MAX_WORKER_MEMORY_BYTES + 1
+    except QuantityError:
+        raise ValueError(f"{shown} {NOT_A_MEMORY_SIZE}") from None
+    if size > MAX_WORKER_MEMORY_BYTES:
+        raise ValueError(f"{shown} {TOO_LARGE}")
+    return size
+
+
+def _worker_memory_rules() -> dict[str, Any]:
+    quantity = "quantity(string(self))"
+    most = f"quantity('{format_bytes(MAX_WORKER_MEMORY_BYTES)}')"
+    return cel_rules(
+        CelRule(
+            # Too large is the next rule's finding, not this one's.
+            rule=f"isQuantity(string(self)) && ({quantity}.compareTo({most}) > 0 || "
+            f"({quantity}.sign() >= 0 && {quantity}.isInteger()))",
+            message_expression=f"string(self) + ' {NOT_A_MEMORY_SIZE}'",
+        ),
+        CelRule(
+            rule=f"!isQuantity(string(self)) || {quantity}.compareTo({most}) <= 0",
+            message_expression=f"string(self) + ' {TOO_LARGE}'",
+        ),
+    )
+
+
+#: GPU memory a user asks for per worker (``staticMemory``, ``kvCache``): a
+#: :data:`ByteQuantity` of at most :data:`~kvshare.api.names.MAX_WORKER_MEMORY_BYTES`,
+#: checked in the same words by the API server at ``kubectl apply`` (CEL rules, so a
+#: malformed size is explained with examples rather than a pattern) and by the model.
+WorkerMemory = Annotated[
+    int,
+    BeforeValidator(_parse_worker_memory),
+    _AS_QUANTITY,
+    WithJsonSchema({**_INT_OR_STRING, "maxLength": 64, **_worker_memory_rules()}),
+]
 
 
 # --- shapes borrowed from core Kubernetes ----------------------------------------------

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
-from pydantic import Field, StringConstraints, model_validator
+from pydantic import AfterValidator, Field, StringConstraints, model_validator
 
 from kvshare.api.engines import is_supported, supported_labels
 from kvshare.api.kube import (
@@ -27,6 +27,7 @@ from kvshare.api.kube import (
     LocalObjectReference,
     ResourceRequirements,
     Toleration,
+    WorkerMemory,
     cel_rules,
 )
 from kvshare.api.names import GPU_MEMORY_UNIT_BYTES, GROUP, LABEL_MANAGED_BY
@@ -173,6 +174,33 @@ def _cel_quantity(expr: str) -> str:
     return f"quantity(string({expr}))"
 
 
+#: A container image reference (the distribution project's grammar, as Docker reads it):
+#: an optional registry (a host with a dot or a port, or localhost), a lowercase path,
+#: then a tag and/or a digest. ASCII only, so control characters and look-alike letters
+#: are refused; written without backslashes: the same text is a CEL string and a pattern.
+_HOST_PART = "([a-zA-Z0-9]|[a-zA-Z0-9][-a-zA-Z0-9]*[a-zA-Z0-9])"
+_PATH_PART = "[a-z0-9]+(([._]|__|[-]+)[a-z0-9]+)*"
+IMAGE_REFERENCE = (
+    f"^(({_HOST_PART}([.]{_HOST_PART})+(:[0-9]+)?|{_HOST_PART}:[0-9]+|localhost)/)?"
+    f"{_PATH_PART}(/{_PATH_PART})*"
+    "(:[a-zA-Z0-9_][a-zA-Z0-9_.-]{0,127})?"
+    "(@[A-Za-z][A-Za-z0-9]*([-_+.][A-Za-z][A-Za-z0-9]*)*:[0-9a-fA-F]{32,})?$"
+)
+_IMAGE = re.compile(IMAGE_REFERENCE)
+_NOT_AN_IMAGE_WORDS = (
+    "must be a container image reference such as vllm/vllm-openai:v0.33.0 or "
+    "registry.example.com:5000/team/vllm@sha256:<digest>: ASCII letters and digits, a "
+    "lowercase repository path, no spaces or control characters"
+)
+_NOT_AN_IMAGE = f"'{_NOT_AN_IMAGE_WORDS}'"
+
+
+def _image_reference(image: str) -> str:
+    if not _IMAGE.fullmatch(image):
+        raise ValueError(_NOT_AN_IMAGE_WORDS)
+    return image
+
+
 # Label and annotation keys: an optional DNS-subdomain prefix and "/", then a name of at
 # most 63 characters (Kubernetes "qualified names"). Label values: at most 63 characters.
 _QUALIFIED_NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
@@ -242,8 +270,9 @@ class KVCacheSpec(KubeModel):
     model_config = KubeModel.model_config | {
         "json_schema_extra": cel_rules(
             CelRule(
-                rule=(
-                    "!has(self.max) || "
+                rule=(  # a malformed size is its own field's finding
+                    "!has(self.max) || !isQuantity(string(self.min)) || "
+                    "!isQuantity(string(self.max)) || "
                     f"{_cel_quantity('self.min')}.compareTo({_cel_quantity('self.max')}) <= 0"
                 ),
                 message_expression=(
@@ -255,10 +284,11 @@ class KVCacheSpec(KubeModel):
         )
     }
 
-    min: ByteQuantity
+    min: WorkerMemory = 0
     """KV-cache bytes per worker guaranteed at admission; the replica is only placed where
-    static memory plus this fits on every one of its GPUs."""
-    max: ByteQuantity | None = None
+    static memory plus this fits on every one of its GPUs. Unset: nothing guaranteed (the
+    cache grows on demand from what the GPU can lend)."""
+    max: WorkerMemory | None = None
     """Cap on KV-cache bytes per worker; unset means as much as the GPU can lend."""
     priority: int = Field(default=100, ge=0, le=1000)
     """Under contention, workers with lower priority give memory back first (0-1000)."""
@@ -316,7 +346,13 @@ class ModelServerSpec(KubeModel):
         default=None, pattern=r"^[0-9]+\.[0-9]+(\.[0-9]+)?([.+-][0-9A-Za-z.]+)?$", max_length=64
     )
     """Engine version inside the image (e.g. 0.33.0); when unset, read from the image tag."""
-    image: str = Field(min_length=1, max_length=1024)
+    image: Annotated[str, AfterValidator(_image_reference)] = Field(
+        min_length=1,
+        max_length=1024,
+        json_schema_extra=cel_rules(
+            CelRule(rule=f"self.matches('{IMAGE_REFERENCE}')", message_expression=_NOT_AN_IMAGE)
+        ),
+    )
     """Container image of the engine (e.g. vllm/vllm-openai:v0.33.0)."""
     model: str = Field(min_length=1, max_length=1024)
     """Model to serve: a Hugging Face id or a path inside the image."""
@@ -330,14 +366,14 @@ class ModelServerSpec(KubeModel):
     """Number of replicas, each a pod with tensorParallelSize GPUs."""
     tensor_parallel_size: Literal[1, 2, 4, 8] = 1
     """GPUs per replica, all on one node; each GPU runs one worker."""
-    static_memory: ByteQuantity | None = None
+    static_memory: WorkerMemory | None = None
     """GPU memory per worker outside the KV cache (weights, activations, CUDA context)."""
     model_parameters: str | None = Field(default=None, pattern=_PARAMETERS_PATTERN, max_length=16)
     """Parameter count (e.g. 8B, 0.5B); estimates staticMemory when that is unset."""
     dtype: DType = "bfloat16"
     """Weight data type, used with modelParameters to estimate staticMemory."""
-    kv_cache: KVCacheSpec
-    """Elastic KV-cache policy per worker."""
+    kv_cache: KVCacheSpec = Field(default=KVCacheSpec(), json_schema_extra={"default": {}})
+    """Elastic KV-cache policy per worker; unset: min 0, no max, priority 100."""
     port: int = Field(default=8000, ge=1, le=65535)
     """Port the engine serves HTTP on."""
     resources: ResourceRequirements = Field(default=ResourceRequirements())
@@ -491,7 +527,7 @@ class ModelServerStatus(KubeModel):
     ready: str = "0/0"
     """Ready over desired replicas, for `kubectl get ms`."""
     conditions: list[Condition] = Field(default=[], max_length=16)
-    """Placed, Ready, Progressing and Degraded, with reasons."""
+    """Placed, Ready, Progressing, Degraded and ResolvedRefs, with reasons."""
     placements: list[ReplicaPlacement] = Field(default=[], max_length=1024)
     """Node and GPUs of each replica."""
     kv: KVUsage = Field(default=KVUsage())

@@ -34,6 +34,9 @@ RESOURCE_GPU: Final = f"{GROUP}/gpu"
 RESOURCE_GPU_MEMORY: Final = f"{GROUP}/gpu-memory"
 #: Bytes in one unit of :data:`RESOURCE_GPU_MEMORY`.
 GPU_MEMORY_UNIT_BYTES: Final = 2**30
+#: Most GPU memory one worker's static part or KV cache may ask for (1 TiB): no GPU has
+#: more (the largest today have 288 GB); a bigger size is a typo, refused at apply.
+MAX_WORKER_MEMORY_BYTES: Final = 2**40
 
 # --- labels (selectable) ----------------------------------------------------------
 LABEL_MODELSERVER: Final = f"{GROUP}/modelserver"

@@ -23,6 +23,7 @@ from fractions import Fraction
 __all__ = [
     "QUANTITY_PATTERN",
     "QuantityError",
+    "QuantityTooLargeError",
     "format_bytes",
     "format_bytes_human",
     "parse_bytes",
@@ -67,6 +68,10 @@ class QuantityError(ValueError):
     """A quantity string that is not a valid Kubernetes quantity, or not a byte count."""
 
 
+class QuantityTooLargeError(QuantityError):
+    """A valid quantity far beyond any memory size (``1e400``): not worth computing."""
+
+
 def parse_quantity(text: str | int) -> Fraction:
     """Parse a Kubernetes quantity into an exact rational number.
 
@@ -90,6 +95,8 @@ def parse_quantity(text: str | int) -> Fraction:
         value *= _BINARY[match["binary"]]
     elif match["exp"]:
         exponent = int(match["exp"][1:])
+        if exponent > _MAX_EXPONENT and value:
+            raise QuantityTooLargeError(f"{text!r} is larger than any memory size")
         if abs(exponent) > _MAX_EXPONENT:
             raise QuantityError(f"{text!r}: exponent {exponent} is out of range")
         value *= Fraction(10) ** exponent
@@ -106,7 +113,7 @@ def parse_bytes(text: str | int, *, field: str = "quantity") -> int:
     try:
         value = parse_quantity(text)
     except QuantityError as exc:
-        raise QuantityError(f"{field}: {exc}") from None
+        raise type(exc)(f"{field}: {exc}") from None
     if value < 0:
         raise QuantityError(f"{field}: {text!r} is negative; a memory size must be >= 0")
     if value.denominator != 1:

@@ -9,9 +9,16 @@ Framing
 -------
 Every frame is a 4-byte big-endian payload length followed by the payload: one UTF-8
 JSON object ``{"type": <name>, <field>: <value>, ...}``. A frame is at most
-:data:`MAX_FRAME_BYTES` of payload. Decoding is strict: an unknown type, a missing or
-unknown field, or a value of the wrong type is a :class:`ProtocolError`; the peer that
-receives one closes that connection and nothing else.
+:data:`MAX_FRAME_BYTES` of payload (:data:`MAX_REQUEST_BYTES` towards the node agent).
+
+Decoding is the one gate for what a peer sends: everything is checked here, before any
+value reaches the broker's books, its logs, its metrics or a terminal. An unknown type, a
+missing, unknown or repeated field, a value of the wrong type, nesting deeper than
+:data:`MAX_NESTING`, an integer outside 64 bits, a number that is not finite, or a string
+outside its field's :class:`Syntax` is a :class:`ProtocolError`; the peer that receives
+one closes that connection and nothing else. Identities (GPU, namespace, pod, pod UID,
+ModelServer, engine) must have the syntax Kubernetes or NVML gives them; every other
+string is :data:`TEXT`: printable, without control characters, bounded in length.
 
 Conversation with the broker
 ----------------------------
@@ -37,31 +44,42 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import re
 import struct
 import types
 import typing
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, ClassVar, TypeVar, Union
+from typing import Annotated, Any, ClassVar, Literal, TypeVar, Union
 
 __all__ = [
     "BROKER_CODEC",
     "MAX_FRAME_BYTES",
+    "MAX_NESTING",
+    "MAX_REQUEST_BYTES",
     "PROTOCOL_VERSION",
+    "TEXT",
     "Bye",
     "Codec",
     "FrameReader",
+    "GpuId",
     "Hello",
+    "LabelValue",
     "Lease",
     "Message",
+    "Namespace",
+    "ObjectName",
     "ProtocolError",
     "Reclaim",
     "Refused",
     "Report",
+    "Syntax",
     "TurnDone",
     "TurnGranted",
     "TurnRefused",
     "TurnRequest",
+    "Uid",
     "Want",
     "Welcome",
     "encode_frame",
@@ -69,16 +87,136 @@ __all__ = [
 
 #: Version a client states in :class:`Hello`; the broker refuses versions it does not speak.
 PROTOCOL_VERSION = 1
-#: Largest payload of one frame. Every real message is far smaller; admin listings of a
-#: few hundred pools stay well under it.
+#: Largest payload of one frame. Every real message is far smaller (admin replies, which
+#: list every pool, have a limit of their own).
 MAX_FRAME_BYTES = 256 * 1024
+#: Largest payload of a frame sent *to* the node agent (pools, start-up turns, admin
+#: requests): the largest real one, a hello with every name at its longest, is < 2 KiB.
+MAX_REQUEST_BYTES = 16 * 1024
+#: Deepest nesting of JSON objects and lists a message may have (an admin reply has 4).
+MAX_NESTING = 8
 
 _HEADER = struct.Struct(">I")
 HEADER_BYTES = _HEADER.size
+_INT64 = range(-(2**63), 2**63)
+
+ErrorKind = Literal["frame", "json", "message", "identity"]
 
 
 class ProtocolError(ValueError):
-    """A frame or message that breaks the protocol; the connection carrying it is closed."""
+    """A frame or message that breaks the protocol; the connection carrying it is closed.
+
+    ``kind`` says which rule it broke, for counting: ``frame`` (size), ``json`` (not one
+    JSON object, repeated keys, nested too deeply), ``message`` (types, fields, numbers,
+    text, or the order of the conversation), ``identity`` (a name outside its syntax).
+    """
+
+    def __init__(self, message: str, kind: ErrorKind = "message") -> None:
+        super().__init__(message)
+        self.kind: ErrorKind = kind
+
+
+@dataclass(frozen=True, slots=True)
+class Syntax:
+    """What one string field may hold; checked on every message decoded.
+
+    ``pattern`` (ASCII only, matched whole) is the syntax the value gets where it is
+    made: Kubernetes for namespaces, pods and objects, NVML for GPU UUIDs. Without one,
+    any printable text is allowed: no control, format or surrogate characters.
+    ``optional`` allows the empty string (a name the pool does not know).
+    """
+
+    what: str
+    max_length: int
+    pattern: re.Pattern[str] | None = None
+    optional: bool = False
+    kind: ErrorKind = "identity"
+
+    def problem(self, value: str) -> str | None:
+        """Why ``value`` does not have this syntax, or ``None``."""
+        if not value and self.optional:
+            return None
+        if len(value) > self.max_length:
+            return f"{len(value)} characters, more than the {self.max_length} of {self.what}"
+        if self.pattern is None:
+            return None if value.isprintable() else f"{_shown(value)} is not printable text"
+        return None if self.pattern.fullmatch(value) else f"{_shown(value)} is not {self.what}"
+
+
+def _syntax(regex: str) -> re.Pattern[str]:
+    return re.compile(regex, re.ASCII)
+
+
+_DNS_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
+
+#: Free text (reasons, errors, names the agent makes): printable, at most 4096 characters.
+TEXT = Syntax("text", 4096, kind="message")
+#: A GPU as NVML names it (``GPU-<uuid>``, ``MIG-<uuid>``, ``MIG-GPU-<uuid>/1/0``).
+GpuId = Annotated[
+    str,
+    Syntax(
+        "a GPU UUID (letters, digits and '-', '_', '.', ':', '/', at most 128)",
+        128,
+        _syntax(r"[A-Za-z0-9][-A-Za-z0-9_.:/]*"),
+    ),
+]
+#: A Kubernetes namespace: a DNS label.
+Namespace = Annotated[
+    str,
+    Syntax(
+        "a Kubernetes namespace (a DNS label: lowercase letters, digits and '-', at most 63)",
+        63,
+        _syntax(_DNS_LABEL),
+        optional=True,
+    ),
+]
+#: A Kubernetes object name (pods, ModelServers): a DNS subdomain.
+ObjectName = Annotated[
+    str,
+    Syntax(
+        "a Kubernetes object name (a DNS subdomain: lowercase letters, digits, '-' and "
+        "'.', at most 253)",
+        253,
+        _syntax(rf"{_DNS_LABEL}(\.{_DNS_LABEL})*"),
+        optional=True,
+    ),
+]
+#: A Kubernetes object UID.
+Uid = Annotated[
+    str,
+    Syntax(
+        "a Kubernetes UID (a UUID such as 0f8fad5b-d9cb-469f-a165-70867728950e)",
+        36,
+        _syntax(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"),
+        optional=True,
+    ),
+]
+#: A Kubernetes label value.
+LabelValue = Annotated[
+    str,
+    Syntax(
+        "a Kubernetes label value (letters, digits, '-', '_' and '.', at most 63)",
+        63,
+        _syntax(r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?"),
+        optional=True,
+    ),
+]
+
+
+def _shown(value: object) -> str:
+    """``value`` as an error message may quote it: escaped, and cut to a few dozen
+    characters (a peer's value must never reach a log or terminal raw)."""
+    if isinstance(value, str):
+        text = ascii(value[:48])
+        return text if len(value) <= 48 else f"{text[:-1]}...' ({len(value)} characters)"
+    if isinstance(value, bool) or value is None:
+        return json.dumps(value)
+    if isinstance(value, int):
+        digits = len(str(abs(value)))
+        return str(value) if digits <= 24 else f"an integer of {digits} digits"
+    if isinstance(value, float):
+        return repr(value)
+    return "a list" if isinstance(value, list) else "an object"
 
 
 class Message:
@@ -106,19 +244,19 @@ class Hello(Message):
 
     TYPE: ClassVar[str] = "hello"
     version: int
-    gpu: str
+    gpu: GpuId
     page_size: int
     kv_min: int
     kv_max: int | None
     priority: int
     static: int
-    namespace: str = ""
-    pod: str = ""
-    pod_uid: str = ""
-    modelserver: str = ""
+    namespace: Namespace = ""
+    pod: ObjectName = ""
+    pod_uid: Uid = ""
+    modelserver: ObjectName = ""
     rank: int = 0
     tp_size: int = 1
-    engine: str = ""
+    engine: LabelValue = ""
     resume: bool = False
     held: int = 0
     used: int = 0
@@ -220,10 +358,10 @@ class TurnRequest(Message):
 
     TYPE: ClassVar[str] = "turn-request"
     seq: int
-    gpu: str
+    gpu: GpuId
     static: int = 0
     kv_min: int = 0
-    pod_uid: str = ""
+    pod_uid: Uid = ""
     rank: int = 0
     group: str = ""
     group_size: int = 1
@@ -270,13 +408,25 @@ _PLAIN: dict[Any, tuple[tuple[type, ...], str]] = {
 def _checker(hint: Any, where: str) -> typing.Callable[[Any], Any]:
     """A function that validates (and converts) one decoded JSON value against ``hint``."""
     origin = typing.get_origin(hint)
+    if origin is Annotated:
+        base, *extras = typing.get_args(hint)
+        syntaxes = [e for e in extras if isinstance(e, Syntax)]
+        if base is not str or len(syntaxes) != 1:
+            raise TypeError(f"{where}: only Annotated[str, Syntax(...)] is supported")
+        return _string_checker(syntaxes[0], where)
+    if hint is str:
+        return _string_checker(TEXT, where)
     if hint in _PLAIN:
         accepted, expected = _PLAIN[hint]
 
         def check_plain(value: Any) -> Any:
             # Exact types: JSON true is not an integer, 1.0 is not a count of bytes.
             if type(value) not in accepted:
-                raise ProtocolError(f"{where}: expected {expected}, got {value!r}")
+                raise ProtocolError(f"{where}: expected {expected}, got {_shown(value)}")
+            if type(value) is int and value not in _INT64:
+                raise ProtocolError(f"{where}: {_shown(value)} does not fit in 64 bits")
+            if type(value) is float and not math.isfinite(value):
+                raise ProtocolError(f"{where}: expected a finite number, got {value!r}")
             return hint(value)
 
         return check_plain
@@ -307,16 +457,28 @@ def _checker(hint: Any, where: str) -> typing.Callable[[Any], Any]:
 
         def check_nested(value: Any) -> Any:
             if type(value) is not dict:
-                raise ProtocolError(f"{where}: expected an object, got {value!r}")
+                raise ProtocolError(f"{where}: expected an object, got {_shown(value)}")
             return build(value)
 
         return check_nested
     raise TypeError(f"{where}: unsupported field type {hint!r}")
 
 
+def _string_checker(syntax: Syntax, where: str) -> typing.Callable[[Any], Any]:
+    def check_string(value: Any) -> Any:
+        if type(value) is not str:
+            raise ProtocolError(f"{where}: expected a string, got {_shown(value)}")
+        problem = syntax.problem(value)
+        if problem is not None:
+            raise ProtocolError(f"{where}: {problem}", syntax.kind)
+        return value
+
+    return check_string
+
+
 def _builder(cls: type[Any]) -> typing.Callable[[dict[str, Any]], Any]:
     """A function that builds ``cls`` from a decoded JSON object, strictly."""
-    hints = typing.get_type_hints(cls)
+    hints = typing.get_type_hints(cls, include_extras=True)
     fields = dataclasses.fields(cls)
     checks = {f.name: _checker(hints[f.name], f"{cls.__name__}.{f.name}") for f in fields}
     required = frozenset(
@@ -328,7 +490,8 @@ def _builder(cls: type[Any]) -> typing.Callable[[dict[str, Any]], Any]:
     def build(data: dict[str, Any]) -> Any:
         unknown = data.keys() - checks.keys()
         if unknown:
-            raise ProtocolError(f"{cls.__name__}: unknown fields {sorted(unknown)}")
+            shown = ", ".join(_shown(name) for name in sorted(unknown)[:8])
+            raise ProtocolError(f"{cls.__name__}: unknown fields [{shown}]")
         missing = required - data.keys()
         if missing:
             raise ProtocolError(f"{cls.__name__}: missing fields {sorted(missing)}")
@@ -348,7 +511,11 @@ def _plain(value: Any) -> Any:
 class Codec:
     """Encodes and strictly decodes one family of message types."""
 
-    def __init__(self, message_types: Iterable[type[Message]]) -> None:
+    def __init__(
+        self, message_types: Iterable[type[Message]], max_frame_bytes: int = MAX_FRAME_BYTES
+    ) -> None:
+        #: Largest payload this codec encodes, and its peers should read.
+        self.max_frame_bytes = max_frame_bytes
         self._builders: dict[str, typing.Callable[[dict[str, Any]], Any]] = {}
         self._fields: dict[type[Message], tuple[str, ...]] = {}
         for cls in message_types:
@@ -365,20 +532,29 @@ class Codec:
         body: dict[str, Any] = {"type": message.TYPE}
         for name in names:
             body[name] = _plain(getattr(message, name))
-        return encode_frame(json.dumps(body, separators=(",", ":")).encode())
+        return encode_frame(json.dumps(body, separators=(",", ":")).encode(), self.max_frame_bytes)
 
     def decode(self, payload: bytes) -> Message:
         """The message in one frame's payload; :class:`ProtocolError` when it is not one."""
         try:
-            data = json.loads(payload)
+            # Strict UTF-8 first: json.loads would also take UTF-16 and UTF-32 bytes.
+            data = json.loads(payload.decode("utf-8"), object_pairs_hook=_object)
+        except RecursionError:
+            raise ProtocolError(_TOO_DEEP, "json") from None
+        except ProtocolError:
+            raise
         except (UnicodeDecodeError, ValueError) as exc:
-            raise ProtocolError(f"frame is not a JSON object: {exc}") from None
+            raise ProtocolError(f"frame is not a JSON object: {exc}", "json") from None
         if type(data) is not dict:
-            raise ProtocolError("frame is not a JSON object")
+            raise ProtocolError("frame is not a JSON object", "json")
+        if _nesting(data) > MAX_NESTING:
+            raise ProtocolError(_TOO_DEEP, "json")
         kind = data.pop("type", None)
         build = self._builders.get(kind) if type(kind) is str else None
         if build is None:
-            raise ProtocolError(f"unknown message type {kind!r}")
+            if kind is None:
+                raise ProtocolError("the message has no type")
+            raise ProtocolError(f"unknown message type {_shown(kind)}")
         message: Message = build(data)
         return message
 
@@ -390,10 +566,37 @@ class Codec:
         return message
 
 
-def encode_frame(payload: bytes) -> bytes:
-    """``payload`` behind its length header; refuses payloads over the frame limit."""
-    if len(payload) > MAX_FRAME_BYTES:
-        raise ProtocolError(f"message of {len(payload)} bytes exceeds {MAX_FRAME_BYTES}")
+_TOO_DEEP = f"frame is nested deeper than {MAX_NESTING} levels"
+
+
+def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A decoded JSON object; a key given twice is refused (which one would count?)."""
+    data = dict(pairs)
+    if len(data) != len(pairs):
+        raise ProtocolError("a JSON object repeats a key", "json")
+    return data
+
+
+def _nesting(value: Any) -> int:
+    """How deeply objects and lists nest in ``value`` (a scalar is 0), without recursion."""
+    deepest = 0
+    stack = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        children = node.values() if type(node) is dict else node if type(node) is list else None
+        if children is None:
+            continue
+        deepest = max(deepest, depth)
+        if deepest > MAX_NESTING:
+            break
+        stack.extend((child, depth + 1) for child in children)
+    return deepest
+
+
+def encode_frame(payload: bytes, limit: int = MAX_FRAME_BYTES) -> bytes:
+    """``payload`` behind its length header; refuses payloads over ``limit``."""
+    if len(payload) > limit:
+        raise ProtocolError(f"message of {len(payload)} bytes exceeds {limit}", "frame")
     return _HEADER.pack(len(payload)) + payload
 
 
@@ -421,7 +624,7 @@ class FrameReader:
             while len(buffer) - offset >= HEADER_BYTES:
                 (length,) = _HEADER.unpack_from(buffer, offset)
                 if length == 0 or length > self._limit:
-                    raise ProtocolError(f"frame length {length} outside 1..{self._limit}")
+                    raise ProtocolError(f"frame length {length} outside 1..{self._limit}", "frame")
                 end = offset + HEADER_BYTES + length
                 if len(buffer) < end:
                     break

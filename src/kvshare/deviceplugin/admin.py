@@ -44,7 +44,11 @@ class AdminReply(Message):
     view: BooksView | None = None
 
 
-ADMIN_CODEC = Codec((AdminRequest, AdminReply))
+#: Largest admin reply: the books of ~20,000 pools (one process may hold at most 64;
+#: real nodes hold tens).
+MAX_REPLY_BYTES = 8 * 2**20
+
+ADMIN_CODEC = Codec((AdminRequest, AdminReply), max_frame_bytes=MAX_REPLY_BYTES)
 
 
 class AdminError(RuntimeError):
@@ -101,7 +105,7 @@ class AdminClient:
 
     @staticmethod
     def _read_reply(sock: socket.socket) -> AdminReply:
-        reader = FrameReader()
+        reader = FrameReader(ADMIN_CODEC.max_frame_bytes)
         while True:
             data = sock.recv(1 << 16)
             if not data:

@@ -140,7 +140,7 @@ class NodeAgent:
         )
         self.broker = broker
         broker.start()
-        self.metrics.set_source(broker.view)
+        self.metrics.set_source(broker.view, (g.uuid for g in self._gpus))
         self.metrics_server = MetricsServer(
             config.metrics_host, config.metrics_port, self.metrics, self._healthy, self._ready
         )

@@ -15,7 +15,8 @@ A pool's connection is bound to the process that opened it (``SO_PEERCRED``) and
 process is watched through a pidfd: when it exits, its lease returns at once. A
 connection that closes without ``bye`` while its process lives on is given a short grace
 (``orphan_grace_s``) to reconnect before its lease returns. Anything that breaks the
-protocol closes that one connection.
+protocol (see :mod:`kvshare.api.wire`: every value is checked as it is decoded) closes
+that one connection; it is counted, and logged at a bounded rate.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from typing import Literal
 
 from kvshare.api.wire import (
     BROKER_CODEC,
+    MAX_REQUEST_BYTES,
     Bye,
     Codec,
     FrameReader,
@@ -53,6 +55,7 @@ from kvshare.deviceplugin import admin, peers
 from kvshare.deviceplugin.books import Books, BrokerEvents, ExpectedPool, Send
 from kvshare.deviceplugin.inventory import GpuInfo
 from kvshare.deviceplugin.state import load_expected, save_pools
+from kvshare.deviceplugin.throttle import ThrottledLog
 from kvshare.deviceplugin.views import BooksView
 
 __all__ = ["Broker", "BrokerConfig", "BrokerError"]
@@ -61,6 +64,9 @@ log = logging.getLogger(__name__)
 
 #: A peer that lets this much unsent data pile up is not reading: it is disconnected.
 _MAX_OUTBOX_BYTES = 1 << 20
+#: Pools one process may hold at once. An engine process holds one per GPU it drives;
+#: the limit keeps one misbehaving process from filling the books (and every listing).
+MAX_POOLS_PER_PROCESS = 64
 _RECV_BYTES = 1 << 16
 #: How often deadlines are checked (reclaims, orphaned connections, turns, recovery).
 _TICK_S = 0.05
@@ -98,7 +104,7 @@ class _Conn:
         self.sock = sock
         self.peer = peer
         self.role: Role = role
-        self.reader = FrameReader()
+        self.reader = FrameReader(MAX_REQUEST_BYTES)
         self.out = bytearray()
         self.pool_id = 0
 
@@ -133,6 +139,7 @@ class Broker:
         self._thread: threading.Thread | None = None
         self._beat = time.monotonic()
         self._serving = False
+        self._error_log = ThrottledLog(log, "protocol errors")
 
     # --- lifecycle ----------------------------------------------------------------------
 
@@ -292,6 +299,7 @@ class Broker:
         for pool_id in removed:
             self._forget_pool(pool_id)
         self._deliver(sends)
+        self._error_log.flush()
 
     def _accept(self, listener: socket.socket, kind: str) -> None:
         while True:
@@ -332,7 +340,17 @@ class Broker:
                 if conn.role == "closed":
                     return
         except ProtocolError as exc:
-            self._reject(conn, str(exc))
+            self._reject(conn, exc)
+        except Exception:
+            # A fault of the broker's own: the peer that triggered it loses only its
+            # connection, and the next one is served.
+            self._error_log.log(
+                logging.ERROR,
+                "broker: unexpected error serving pid %d: closing its connection",
+                conn.peer.pid,
+                exc_info=True,
+            )
+            self._refuse(conn, "internal error in the broker: see the node agent's log")
 
     def _dispatch(self, conn: _Conn, message: Message) -> None:
         now = time.monotonic()
@@ -382,7 +400,7 @@ class Broker:
             self._admin(conn, message, now)
 
     def _hello(self, conn: _Conn, hello: Hello, now: float) -> None:
-        refusal = self._peer_problem(conn.peer, hello)
+        refusal = self._peer_problem(conn.peer, hello) or self._too_many_pools(conn.peer, hello)
         if refusal is not None:
             self._events.refused(hello.gpu, "peer")
             self._refuse(conn, refusal)
@@ -432,6 +450,18 @@ class Broker:
             return f"peer: process {peer.pid} does not run in pod {hello.pod_uid}"
         return None
 
+    def _too_many_pools(self, peer: peers.Peer, hello: Hello) -> str | None:
+        with self._lock:
+            mine = [p for p in self._books.pools() if p.pid == peer.pid]
+        if len(mine) < MAX_POOLS_PER_PROCESS or any(
+            p.hello.pod == hello.pod and p.hello.rank == hello.rank for p in mine
+        ):  # a pool reconnecting replaces its own record
+            return None
+        return (
+            f"peer: process {peer.pid} already holds {len(mine)} pools, the most one process "
+            "may hold; close some (each engine process needs one per GPU)"
+        )
+
     def _admin(self, conn: _Conn, message: Message, now: float) -> None:
         if not isinstance(message, admin.AdminRequest):
             raise ProtocolError(f"{message.TYPE!r} is not an admin request")
@@ -461,7 +491,12 @@ class Broker:
     def _send(self, conn: _Conn, message: Message, codec: Codec = BROKER_CODEC) -> None:
         if conn.role == "closed":
             return
-        frame = codec.encode(message)
+        try:
+            frame = codec.encode(message)
+        except ProtocolError as exc:
+            log.error("broker: cannot send %s to pid %d: %s", message.TYPE, conn.peer.pid, exc)
+            self._refuse(conn, f"the node agent cannot send its {message.TYPE}: {exc}")
+            return
         if conn.out:
             conn.out += frame
         else:
@@ -477,7 +512,7 @@ class Broker:
                 self._selector.modify(
                     conn.sock, selectors.EVENT_READ | selectors.EVENT_WRITE, ("conn", conn.id)
                 )
-        if len(conn.out) > _MAX_OUTBOX_BYTES:
+        if len(conn.out) > max(_MAX_OUTBOX_BYTES, len(frame)):  # one admin reply may be more
             log.warning("broker: pid %d does not read its messages: disconnecting", conn.peer.pid)
             self._close(conn)
 
@@ -495,10 +530,13 @@ class Broker:
 
     # --- closing ------------------------------------------------------------------------
 
-    def _reject(self, conn: _Conn, reason: str) -> None:
-        self._events.protocol_error(reason.split(":", 1)[0])
-        log.warning("broker: closing connection from pid %d: %s", conn.peer.pid, reason)
-        self._refuse(conn, f"protocol error: {reason}")
+    def _reject(self, conn: _Conn, error: ProtocolError) -> None:
+        self._events.protocol_error(error.kind)
+        # The message quotes the peer's values escaped and cut short (see wire._shown).
+        self._error_log.log(
+            logging.WARNING, "broker: closing connection from pid %d: %s", conn.peer.pid, error
+        )
+        self._refuse(conn, f"protocol error: {error}")
 
     def _refuse(self, conn: _Conn, reason: str) -> None:
         """Tell the peer why, then close (a pool connection then counts as lost)."""

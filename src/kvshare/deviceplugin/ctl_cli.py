@@ -44,6 +44,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     undrain.add_argument("gpu", help="GPU UUID or index")
 
 
+def terminal_safe(text: str) -> str:
+    """``text`` as it may reach a terminal: printable characters as they are, any other
+    (line breaks, escape sequences, bidi and zero-width marks, lone surrogates) as its
+    Python escape, so that no value can add a row, move the cursor or fail to print."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
+
+
 def _bytes(value: int | None) -> str:
     return "-" if value is None else format_bytes_human(value)
 
@@ -62,6 +71,7 @@ def _flags(pool: PoolView) -> str:
 
 
 def _table(header: list[str], rows: list[list[str]]) -> str:
+    rows = [[terminal_safe(cell) for cell in row] for row in rows]
     widths = [max(len(str(c)) for c in column) for column in zip(header, *rows, strict=False)]
     lines = [
         "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in [header, *rows]
@@ -135,9 +145,10 @@ def run(args: argparse.Namespace) -> int:
             request = AdminRequest(op="list")
         view = client.request(request)
     except AdminError as exc:
-        sys.stderr.write(f"kvshare ctl: {exc}\n")
+        sys.stderr.write(f"kvshare ctl: {terminal_safe(str(exc))}\n")
         return 1
     if args.json:
+        # JSON escapes what a terminal must not see, and keeps every value exact.
         sys.stdout.write(json.dumps(dataclasses.asdict(view), indent=2) + "\n")
     elif command in ("gpus", "drain", "undrain"):
         sys.stdout.write(render_gpus(view))

@@ -5,6 +5,12 @@ Gauges per GPU and per pool are read from the broker's books at scrape time (so 
 that left disappears from the next scrape); counters and histograms are counted as
 events happen. Per-pool series carry the labels ``namespace``, ``pod``, ``modelserver``,
 ``gpu``, ``rank`` and ``pool`` (the broker's name for it, unique on its GPU).
+
+What a pool sends cannot break or inflate the exposition: label values come only from
+identities the wire codec has validated, counters are labelled by inventoried GPUs and
+fixed reasons (never by a pool or a name a peer chose), so the series are bounded by the
+pools present and the GPUs of the node. A scrape that fails anyway answers 500 with the
+reason and makes ``/readyz`` fail too.
 :func:`registry` builds the full set without a running agent, for tools that list the
 metric names (the Helm chart's alert rules and dashboard are checked against it).
 """
@@ -12,8 +18,9 @@ metric names (the Helm chart's alert rules and dashboard are checked against it)
 from __future__ import annotations
 
 import logging
+import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -170,11 +177,9 @@ class NodeMetrics(BrokerEvents):
         )
         self.deadline_missed = self._counter(
             "kvshare_broker_reclaim_deadline_missed",
-            "Reclaims whose pool did not release the memory by the deadline.",
+            "Reclaims whose pool did not release the memory by the deadline (the pool: "
+            "kvshare_pool_reclaim_overdue).",
             "gpu",
-            "namespace",
-            "pod",
-            "pool",
         )
         self.admissions = self._counter(
             "kvshare_broker_admissions",
@@ -189,7 +194,10 @@ class NodeMetrics(BrokerEvents):
             "reason",
         )
         self.protocol_errors = self._counter(
-            "kvshare_broker_protocol_errors", "Connections closed for breaking the protocol."
+            "kvshare_broker_protocol_errors",
+            "Connections closed for breaking the protocol, by kind (frame, json, message, "
+            "identity).",
+            "kind",
         )
         self.plugin_registered = Gauge(
             "kvshare_deviceplugin_registered",
@@ -220,6 +228,7 @@ class NodeMetrics(BrokerEvents):
         )
         self.registry.register(_BooksCollector(self._view))
         self._grant_children: dict[str, tuple[Any, Any]] = {}
+        self._gpus: frozenset[str] = frozenset()
 
     def _counter(self, name: str, documentation: str, *labels: str) -> Counter:
         self.labelnames[name] = labels
@@ -231,9 +240,11 @@ class NodeMetrics(BrokerEvents):
         self.labelnames[name] = labels
         return Histogram(name, documentation, labels, buckets=buckets, registry=self.registry)
 
-    def set_source(self, source: Callable[[], BooksView | None]) -> None:
-        """Where the per-GPU and per-pool gauges come from (the broker's view)."""
+    def set_source(self, source: Callable[[], BooksView | None], gpus: Iterable[str]) -> None:
+        """Where the per-GPU and per-pool gauges come from (the broker's view), and the
+        UUIDs of the node's GPUs: the only values the ``gpu`` label of a counter takes."""
         self._source = source
+        self._gpus = frozenset(gpus)
 
     def _view(self) -> BooksView | None:
         return self._source() if self._source is not None else None
@@ -264,26 +275,24 @@ class NodeMetrics(BrokerEvents):
         self.reclaim_seconds.labels(gpu).observe(seconds)
 
     def reclaim_overdue(self, pool: PoolRecord) -> None:
-        """Count a missed deadline."""
-        hello = pool.hello
-        self.deadline_missed.labels(pool.gpu, hello.namespace, hello.pod, pool.name).inc()
+        """Count a missed deadline (per GPU: a pool's own series would outlive it)."""
+        self.deadline_missed.labels(pool.gpu).inc()
 
     def admitted(self, gpu: str, resumed: bool) -> None:
         """Count an admission."""
         self.admissions.labels(gpu, "resumed" if resumed else "admitted").inc()
 
     def refused(self, gpu: str, reason: str) -> None:
-        """Count a refusal."""
-        self.admissions.labels(gpu, f"refused-{reason}").inc()
+        """Count a refusal; a GPU this node does not have is counted as ``gpu=""``."""
+        self.admissions.labels(gpu if gpu in self._gpus else "", f"refused-{reason}").inc()
 
     def removed(self, gpu: str, why: str) -> None:
         """Count a departure."""
         self.departures.labels(gpu, why).inc()
 
-    def protocol_error(self, reason: str) -> None:
-        """Count a connection closed for a protocol error."""
-        del reason  # free text: not a label
-        self.protocol_errors.inc()
+    def protocol_error(self, kind: str) -> None:
+        """Count a connection closed for a protocol error of ``kind`` (a fixed set)."""
+        self.protocol_errors.labels(kind).inc()
 
 
 def registry() -> CollectorRegistry:
@@ -325,13 +334,12 @@ class MetricsServer:
     def __init__(self, host: str, port: int, metrics: NodeMetrics, healthy: Check, ready: Check):
         handler = _handler(metrics.registry, healthy, ready)
         try:
-            self._server = ThreadingHTTPServer((host, port), handler)
+            self._server = _Server((host, port), handler)
         except OSError as exc:
             raise OSError(
                 f"cannot serve metrics on {host}:{port}: {exc.strerror} (choose another "
                 "--metrics-address)"
             ) from None
-        self._server.daemon_threads = True
         self._thread: threading.Thread | None = None
 
     @property
@@ -352,16 +360,44 @@ class MetricsServer:
         self._server.server_close()
 
 
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A scraper that hung up before its answer was written is not the agent's
+        # fault; anything else is logged once, through logging (not printed to stderr).
+        if isinstance(sys.exc_info()[1], ConnectionError):
+            return
+        log.exception("metrics: error answering %s", client_address)
+
+
+def _render(registry: CollectorRegistry) -> tuple[bytes | None, str]:
+    """The exposition, or ``None`` and why it cannot be made."""
+    try:
+        return generate_latest(registry), ""
+    except Exception as exc:
+        log.exception("metrics: cannot render the exposition")
+        return None, f"metrics exporter cannot serve: {type(exc).__name__}: {exc}"
+
+
 def _handler(registry: CollectorRegistry, healthy: Check, ready: Check) -> type[Any]:
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
             path = self.path.split("?", 1)[0]
             if path == "/metrics":
-                self._reply(200, generate_latest(registry), CONTENT_TYPE_LATEST)
+                body, problem = _render(registry)
+                if body is None:
+                    self._reply(500, problem.encode(errors="replace") + b"\n", "text/plain")
+                else:
+                    self._reply(200, body, CONTENT_TYPE_LATEST)
             elif path in ("/healthz", "/readyz"):
                 ok, detail = (healthy if path == "/healthz" else ready)()
-                body = (detail or ("ok" if ok else "not ok")).encode() + b"\n"
-                self._reply(200 if ok else 503, body, "text/plain; charset=utf-8")
+                if ok and path == "/readyz":
+                    # Ready means Prometheus can read the node too.
+                    body, problem = _render(registry)
+                    ok, detail = body is not None, problem or detail
+                text = (detail or ("ok" if ok else "not ok")).encode(errors="replace") + b"\n"
+                self._reply(200 if ok else 503, text, "text/plain; charset=utf-8")
             else:
                 self._reply(404, b"not found: try /metrics, /healthz or /readyz\n", "text/plain")
 

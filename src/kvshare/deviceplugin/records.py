@@ -86,8 +86,9 @@ class BrokerEvents:
     def removed(self, gpu: str, why: str) -> None:
         """A pool left (``bye``, ``connection closed``, ``process exited``, ...)."""
 
-    def protocol_error(self, reason: str) -> None:
-        """A connection broke the protocol and was closed."""
+    def protocol_error(self, kind: str) -> None:
+        """A connection broke the protocol (a :class:`~kvshare.api.wire.ProtocolError`
+        of ``kind``) and was closed."""
 
 
 @dataclass

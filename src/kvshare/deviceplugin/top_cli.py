@@ -12,6 +12,7 @@ from kvshare.deviceplugin.ctl_cli import (
     default_admin_socket,
     render_gpus,
     render_pools,
+    terminal_safe,
 )
 
 _HOME_AND_CLEAR = "\x1b[H\x1b[2J"
@@ -39,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
             try:
                 view = client.request(AdminRequest(op="list"))
             except AdminError as exc:
-                sys.stderr.write(f"kvshare top: {exc}\n")
+                sys.stderr.write(f"kvshare top: {terminal_safe(str(exc))}\n")
                 return 1
             stamp = time.strftime("%H:%M:%S")
             recovering = "  (recovering after a restart)" if view.recovering else ""

@@ -119,6 +119,34 @@ def _validate(ms: ModelServerRef) -> tuple[ModelServerSpec | None, Problem | Non
     return spec, None
 
 
+def _missing_refs(
+    ms: ModelServerRef, spec: ModelServerSpec, caches: Caches
+) -> dict[str, list[str]]:
+    """The ModelServers ``spec``'s colocation rules name that do not exist, by field."""
+    missing = {}
+    for field, named in (
+        ("colocateWith", spec.colocate_with),
+        ("avoidColocationWith", spec.avoid_colocation_with),
+    ):
+        absent = []
+        for name in named:
+            other = caches.modelserver((ms.namespace, name))
+            if other is None or other.deleting:
+                absent.append(name)
+        if absent:
+            missing[field] = absent
+    return missing
+
+
+def _names_in_colocation_rules(ms: ModelServerRef) -> set[str]:
+    named: set[str] = set()
+    for field in ("colocateWith", "avoidColocationWith"):
+        value = ms.spec.get(field)
+        if isinstance(value, list):
+            named.update(n for n in value if isinstance(n, str))
+    return named
+
+
 def _raw_replicas(ms: ModelServerRef) -> int:
     """The replica count of a spec that did not validate, when it is readable at all."""
     replicas = ms.spec.get("replicas", 1)
@@ -196,6 +224,24 @@ class Controller:
         for task in list(self._woken):
             task.cancel()
 
+    def affected_by_modelserver(
+        self, event: str | None, key: ModelServerKey, caches: Caches
+    ) -> set[ModelServerKey]:
+        """ModelServers a ModelServer event matters to: its own (unless it was deleted),
+        and when one appears or goes, those of its namespace whose colocation rules name it."""
+        keys = set() if event == "DELETED" else {key}
+        if event in ("ADDED", "DELETED"):
+            namespace, name = key
+            for refs in caches.modelservers.values():
+                keys.update(
+                    ref.key
+                    for ref in refs
+                    if ref.namespace == namespace
+                    and ref.key != key
+                    and name in _names_in_colocation_rules(ref)
+                )
+        return keys
+
     def affected_by_pod(
         self, event: str, namespace: str | None, modelserver: str | None
     ) -> set[ModelServerKey]:
@@ -271,6 +317,8 @@ class Controller:
             kv=kv_usage(pools),
             endpoint=endpoint(ms, spec) if spec is not None else None,
             failing=failures.failing,
+            namespace=ms.namespace,
+            missing_refs=_missing_refs(ms, spec, caches) if spec is not None else None,
         )
         status = compute_status(observation, previous, _now())
         self._track_capacity_wait(ms.key, plan)

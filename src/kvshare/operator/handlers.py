@@ -3,7 +3,8 @@
 - Indexes keep small views of ModelServers, the operator's own pods, Nodes and
   KVShareNodes; kopf fills them from its watches and holds every handler back until all
   of them are loaded, so the first reconcile after a restart already sees every pod.
-- A ModelServer event reconciles that ModelServer (or forgets it, when deleted).
+- A ModelServer event reconciles that ModelServer (or forgets it, when deleted); one
+  that appears or goes also reconciles those whose colocation rules name it.
 - A pod event reconciles the pod's ModelServer (readiness, failures, deletions); a pod
   that is gone also frees GPU room, so the ModelServers waiting for capacity retry.
 - A KVShareNode event reconciles the ModelServers with pods on that node (their KV
@@ -126,8 +127,9 @@ def build_registry(
         key = (namespace or "", name)
         if type == "DELETED":
             controller.forget(key)
-        else:
-            await controller.request(key, _caches(kwargs), _post_event)
+        caches = _caches(kwargs)
+        keys = controller.affected_by_modelserver(type, key, caches)
+        await asyncio.gather(*(controller.request(k, caches, _post_event) for k in keys))
 
     @kopf.on.event("v1", "pods", labels=_OWN_PODS, registry=registry)
     async def pod_changed(

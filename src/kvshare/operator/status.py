@@ -9,7 +9,9 @@ only when ``status`` does. The four types:
 - ``Ready``: every desired replica answers its health check;
 - ``Progressing``: replicas are being created, removed or replaced;
 - ``Degraded``: something only a change of the spec or the cluster can fix, or replicas
-  whose pods keep failing (``ReplicaFailing``, naming the pod and why it stopped).
+  whose pods keep failing (``ReplicaFailing``, naming the pod and why it stopped);
+- ``ResolvedRefs``: every ModelServer that ``colocateWith`` and ``avoidColocationWith``
+  name exists (False names those that do not: placement ignores them until they do).
 
 :func:`condition_events` turns condition changes into the Kubernetes Events a user sees
 in ``kubectl describe``.
@@ -38,7 +40,7 @@ __all__ = [
     "with_problem",
 ]
 
-CONDITION_TYPES = ("Placed", "Ready", "Progressing", "Degraded")
+CONDITION_TYPES = ("Placed", "Ready", "Progressing", "Degraded", "ResolvedRefs")
 #: Most pod names listed in one message.
 _MAX_NAMES = 5
 
@@ -75,6 +77,10 @@ class Observation:
     endpoint: str | None = None
     failing: Sequence[ReplicaFailure] = ()
     """Replicas whose pods keep failing, by replica index."""
+    namespace: str = ""
+    missing_refs: Mapping[str, Sequence[str]] | None = field(default_factory=dict)
+    """ModelServers named by a spec field that do not exist, by field (``None``: the spec
+    could not be read)."""
 
 
 def kv_usage(pools: Sequence[PoolStatus]) -> KVUsage:
@@ -179,6 +185,22 @@ def _degraded(obs: Observation) -> tuple[str, str, str]:
     return "False", "AsExpected", ""
 
 
+def _resolved_refs(obs: Observation) -> tuple[str, str, str]:
+    if obs.missing_refs is None:
+        return "Unknown", "SpecNotServable", "the spec cannot be read (see Degraded)"
+    if not obs.missing_refs:
+        return "True", "ResolvedRefs", "every ModelServer the colocation rules name exists"
+    named = "; ".join(
+        f"{field} names {', '.join(names)}" for field, names in obs.missing_refs.items()
+    )
+    return (
+        "False",
+        "ModelServerNotFound",
+        f"{named}: no ModelServer of that name in namespace {obs.namespace} (placement "
+        "ignores the names until they exist)",
+    )
+
+
 def _conditions(
     previous: Sequence[Mapping[str, Any]],
     values: Mapping[str, tuple[str, str, str]],
@@ -233,6 +255,7 @@ def compute_status(obs: Observation, previous: Mapping[str, Any], now: str) -> d
         "Ready": _ready(obs, serving),
         "Progressing": _progressing(obs, serving, was_rolling),
         "Degraded": _degraded(obs),
+        "ResolvedRefs": _resolved_refs(obs),
     }
     conditions = _conditions(previous.get("conditions") or [], values, obs.generation, now)
     ready = sum(p.ready for p in serving)
@@ -279,9 +302,11 @@ def condition_events(
 ) -> list[Event]:
     """Events for condition changes a user would ask about.
 
-    A placement failure or a degradation is reported when its reason or message changes
-    (so an unchanged problem is not repeated on every reconcile); becoming ready once.
+    A placement failure, a degradation or a missing ModelServer is reported when its
+    reason or message changes (so an unchanged problem is not repeated on every
+    reconcile); becoming ready once.
     """
+    bad = {"Placed": "False", "Degraded": "True", "ResolvedRefs": "False"}
     before = {c.get("type"): c for c in previous}
     now = {c.get("type"): c for c in current}
     events = []
@@ -295,9 +320,7 @@ def condition_events(
         )
         if not changed:
             continue
-        if kind in ("Placed", "Degraded") and condition["status"] == (
-            "False" if kind == "Placed" else "True"
-        ):
+        if condition["status"] == bad.get(kind):
             if kind == "Placed" and condition["reason"] == now.get("Degraded", {}).get("reason"):
                 continue  # the same finding is reported once, as Degraded
             events.append(Event("Warning", condition["reason"], condition.get("message", "")))
