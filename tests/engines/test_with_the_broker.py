@@ -24,6 +24,10 @@ from tests.deviceplugin.conftest import AgentProcess, check_engines_take_turns, 
 
 MIB = 2**20
 ROOT = Path(__file__).resolve().parents[2]
+POD_UIDS = {
+    "a": "0f8fad5b-d9cb-469f-a165-70867728950a",
+    "b": "0f8fad5b-d9cb-469f-a165-70867728950b",
+}
 GEOMETRY = KVGeometry(num_buffers=4, block_bytes=16 * 2**10, num_blocks=512, page_size=2 * MIB)
 
 
@@ -89,7 +93,7 @@ def test_two_tp2_engines_starting_together_on_the_same_two_gpus_both_get_through
     per GPU, each group would hold one turn and wait for the other until a timeout."""
 
     def rank(engine: str, rank: int, port: int) -> subprocess.Popen[str]:
-        environ = {**os.environ, env.POD_UID.name: f"uid-{engine}", env.POD_NAME.name: engine}
+        environ = {**os.environ, env.POD_UID.name: POD_UIDS[engine], env.POD_NAME.name: engine}
         command = [sys.executable, "-m", "tests.engines.tp_start", "--rank", str(rank)]
         return subprocess.Popen(
             [*command, "--port", str(port)],

@@ -64,6 +64,7 @@ __all__ = [
     "Codec",
     "FrameReader",
     "GpuId",
+    "GroupName",
     "Hello",
     "LabelValue",
     "Lease",
@@ -188,6 +189,16 @@ Uid = Annotated[
         "a Kubernetes UID (a UUID such as 0f8fad5b-d9cb-469f-a165-70867728950e)",
         36,
         _syntax(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"),
+        optional=True,
+    ),
+]
+#: A tensor-parallel group's name, as the runtime makes it (``<pod uid>/<engine group>``).
+GroupName = Annotated[
+    str,
+    Syntax(
+        "a start-up group name (letters, digits and '-', '_', '.', '/', at most 128)",
+        128,
+        _syntax(r"[A-Za-z0-9][-A-Za-z0-9_./]*"),
         optional=True,
     ),
 ]
@@ -363,7 +374,7 @@ class TurnRequest(Message):
     kv_min: int = 0
     pod_uid: Uid = ""
     rank: int = 0
-    group: str = ""
+    group: GroupName = ""
     group_size: int = 1
 
 
