@@ -224,6 +224,42 @@ def test_lowering_max_reclaims_down_to_it() -> None:
         books.set_max(a, GIB // 4, 1.0)
 
 
+def test_raising_max_grants_what_the_pool_asked_beyond_the_old_one() -> None:
+    books = Books([GPU], headroom=GIB)
+    a = admit(books, "a", 10, kv_max=2 * GIB)
+    answer = books.want(a, 1, 6 * GIB, 0.0)
+    assert answer[0].message.limit == 2 * GIB and answer[0].message.reason.startswith("max")
+    # The pool does not ask again (it was told it is at its max): the books remember.
+    assert leases(books.set_max(a, 5 * GIB, 1.0)) == {a: 5 * GIB}
+    assert leases(books.set_max(a, None, 2.0)) == {a: 6 * GIB}
+    books.check()
+
+
+def test_a_policy_changed_in_place_moves_cap_minimum_and_priority() -> None:
+    books = Books([GPU], headroom=GIB)  # 15 GiB to lend after headroom
+    a = admit(books, "a", 10, kv_max=8 * GIB)
+    b = admit(books, "b", 11, priority=100)
+    books.want(a, 1, 8 * GIB, 0.0)
+    # A lower cap reclaims; a higher minimum is guaranteed (granted) at once.
+    sends = books.set_policy(a, 2 * GIB, 3 * GIB, 500, 1.0)
+    assert reclaims(sends)[a].limit == 3 * GIB
+    record = books.pool(a)
+    assert record is not None
+    assert (record.kv_min, record.kv_max, record.priority) == (2 * GIB, 3 * GIB, 500)
+    assert books.view(1.0).gpus[0].kv_min == 3 * GIB  # a's 2 GiB and b's 1 GiB
+    # Raising b's minimum beyond what the GPU can still guarantee changes nothing.
+    free = books.view(1.0).gpus[0].free
+    with pytest.raises(ValueError, match="cannot guarantee"):
+        books.set_policy(b, GIB + free + PAGE, None, 100, 2.0)
+    record_b = books.pool(b)
+    assert record_b is not None and (record_b.kv_min, record_b.priority) == (GIB, 100)
+    with pytest.raises(ValueError, match="below the kv min"):
+        books.set_policy(b, 2 * GIB, GIB, 100, 2.0)
+    with pytest.raises(ValueError, match="priority"):
+        books.set_policy(b, GIB, None, 1001, 2.0)
+    books.check()
+
+
 def test_after_a_restart_nothing_is_granted_until_every_pool_re_declared() -> None:
     expected = [ExpectedPool(pid=10, name="ns/a", gpu=GPU.uuid, static=2 * GIB, kv_min=GIB)]
     books = Books([GPU], headroom=GIB, expected=expected, recovery_deadline=30.0)

@@ -34,9 +34,18 @@ def test_the_virtual_size_is_kv_max(standalone: None) -> None:
     assert pools.virtual_kv_bytes("cuda:3") == 40 * 2**30
 
 
+def test_the_capacity_the_operator_sets_sizes_the_pool_above_kv_max(
+    standalone: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """kvCache.max can then be raised in place up to the capacity."""
+    monkeypatch.setenv("KVSHARE_KV_CAPACITY", "60Gi")
+    assert pools.virtual_kv_bytes("cpu") == 60 * 2**30
+
+
 def test_without_kv_max_a_host_pool_asks_for_it(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("KVSHARE_KV_MAX", raising=False)
-    with pytest.raises(EngineConfigError, match="set KVSHARE_KV_MAX"):
+    monkeypatch.delenv("KVSHARE_KV_CAPACITY", raising=False)
+    with pytest.raises(EngineConfigError, match="set KVSHARE_KV_CAPACITY"):
         pools.virtual_kv_bytes("cpu")
 
 

@@ -139,6 +139,15 @@ KV_MAX = EnvVar(
     _bytes,
     "runtime",
 )
+KV_CAPACITY = EnvVar(
+    "KVSHARE_KV_CAPACITY",
+    None,
+    "largest KV cache (bytes) this worker can grow to without a restart: the pool's virtual "
+    "size, up to which kvCache.max can be raised in place (set by the operator from the "
+    "GPU); unset = KVSHARE_KV_MAX, else the device's memory less the static footprint",
+    _bytes,
+    "runtime",
+)
 KV_PRIORITY = EnvVar(
     "KVSHARE_KV_PRIORITY",
     "100",
@@ -226,6 +235,7 @@ ALL: tuple[EnvVar[object], ...] = (
     BROKER_SOCKET,
     KV_MIN,
     KV_MAX,
+    KV_CAPACITY,
     KV_PRIORITY,
     KV_LIMIT,
     STATIC_BYTES,

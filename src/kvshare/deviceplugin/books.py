@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvshare.api.wire import (
     Hello,
@@ -56,7 +56,7 @@ from kvshare.api.wire import (
     TurnRefused,
     TurnRequest,
 )
-from kvshare.deviceplugin.admission import hello_problem, no_fit
+from kvshare.deviceplugin.admission import MAX_PRIORITY, hello_problem, no_fit
 from kvshare.deviceplugin.inventory import GpuInfo
 from kvshare.deviceplugin.policy import FairShare, Policy
 from kvshare.deviceplugin.records import (
@@ -356,7 +356,7 @@ class Books:
         """Pool ``pool_id`` asks for its lease to reach ``total``; always answers ``seq``."""
         pool = self._pools[pool_id]
         gpu = self._gpus[pool.gpu]
-        asked = align_up(max(total, 0), pool.page)
+        asked = pool.asked = align_up(max(total, 0), pool.page)
         at_max = pool.kv_max is not None and asked > pool.kv_max
         if pool.kv_max is not None:
             asked = min(asked, pool.kv_max)
@@ -562,6 +562,7 @@ class Books:
         pool.lease = target
         # The pool asks again if it still needs more; until then it is not waiting.
         pool.want = min(pool.want, target)
+        pool.asked = min(pool.asked, target)
         pool.waiting_since = None
         self._recharge(gpu, pool)
         self._events.reclaim_issued(pool.gpu)
@@ -665,12 +666,42 @@ class Books:
                 )
         pool.kv_max = kv_max
         sends: list[Send] = []
-        if kv_max is not None:
-            pool.want = min(pool.want, kv_max)
-            if pool.lease > kv_max:
-                sends.append(self._reclaim(gpu, pool, kv_max, now, "max lowered"))
+        # What the pool asked for beyond the old cap is wanted again under a raised one.
+        wanted = max(pool.want, pool.asked)
+        pool.want = max(pool.floor, wanted if kv_max is None else min(wanted, kv_max))
+        if kv_max is not None and pool.lease > kv_max:
+            sends.append(self._reclaim(gpu, pool, kv_max, now, "max lowered"))
         log.info("pool %s max set to %s", pool.name, "none" if kv_max is None else size(kv_max))
         return sends + self._serve(gpu, now)
+
+    def set_policy(
+        self, pool_id: int, kv_min: int, kv_max: int | None, priority: int, now: float
+    ) -> list[Send]:
+        """Change a pool's minimum, cap and priority in place (its pod's kvCache changed).
+
+        A raised minimum is guaranteed at once, as at admission; when the GPU cannot hold
+        it, or the values break the rules, nothing changes and ``ValueError`` says why. A
+        lease above a lowered cap is reclaimed; a lowered priority gives memory back first
+        from the next contention on.
+        """
+        pool = self._pools[pool_id]
+        gpu = self._gpus[pool.gpu]
+        new_min = align_up(kv_min, pool.page)
+        if not 0 <= priority <= MAX_PRIORITY:
+            raise ValueError(f"priority {priority} is outside 0-{MAX_PRIORITY}")
+        if kv_max is not None and align_down(kv_max, pool.page) < new_min:
+            raise ValueError(f"max {size(kv_max)} is below the kv min {size(new_min)}")
+        more = new_min - pool.kv_min
+        if more > max(gpu.placement_free, 0):
+            raise ValueError(
+                f"GPU {gpu.info.index} cannot guarantee {size(more)} more kv min to pool "
+                f"{pool.name}: {size(max(gpu.placement_free, 0))} is left for placement"
+            )
+        gpu.min_sum += more
+        pool.kv_min = new_min
+        pool.hello = replace(pool.hello, priority=priority)
+        self._recharge(gpu, pool)
+        return self.set_max(pool_id, kv_max, now)
 
     def set_draining(self, gpu_uuid: str, draining: bool, now: float) -> list[Send]:
         """Drain a GPU (reclaim every pool to its minimum, admit nothing new) or undo it."""

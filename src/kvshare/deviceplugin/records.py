@@ -118,6 +118,8 @@ class PoolRecord:
     admitted_at: float
     lease: int = 0
     want: int = 0
+    asked: int = 0
+    """What the pool last asked for, before its kv max capped it (a raised max serves it)."""
     usage: Report = NO_USAGE
     reclaim: PendingReclaim | None = None
     charge: int = 0

@@ -14,9 +14,10 @@ thread (``kvshare-lease``) talks to the broker:
   ..., never more than the lease itself, so the lease at most doubles per round trip),
   and a burst takes a few round trips instead of one per chunk. The step starts
   again at one chunk after a quiet spell or a reclaim. What it asks is capped at its
-  ``kv_max``; the broker grants at most what is free plus its fair share, and lease it
-  then leaves unused is *idle*, which the broker takes back at once when another pool
-  waits;
+  capacity; the broker caps it at the ``kv_max`` in force (which may be raised in place:
+  the broker remembers what was asked beyond the old one) and grants at most what is
+  free plus its fair share, and lease it then leaves unused is *idle*, which the broker
+  takes back at once when another pool waits;
 - grants and reclaims arrive as :meth:`LeaseHolder.lease_changed` calls on that thread;
 - reports made once a reclaim's lower limit is in force carry its ``seq`` (never older
   ones: the pool may have grown since): the broker hands on what such a report shows
@@ -151,13 +152,23 @@ class PoolPolicy:
     priority: int = 100
     static: int = 0
     page_size: int = 2 * 2**20
+    capacity: int | None = None
+    """The most the pool can ever hold (its virtual size); the broker's cap (``kv_max``,
+    which may be raised in place) is enforced by the broker. None: ``kv_max``."""
+
+    @property
+    def ceiling(self) -> int | None:
+        """The most the pool ever asks for."""
+        return self.capacity if self.capacity is not None else self.kv_max
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> PoolPolicy:
-        """``KVSHARE_KV_MIN``/``KV_MAX``/``KV_PRIORITY``/``STATIC_BYTES``/``PAGE_SIZE``."""
+        """``KVSHARE_KV_MIN``/``KV_MAX``/``KV_CAPACITY``/``KV_PRIORITY``/``STATIC_BYTES``/
+        ``PAGE_SIZE``."""
         return cls(
             kv_min=env.KV_MIN.require(environ),
             kv_max=env.KV_MAX.read(environ),
+            capacity=env.KV_CAPACITY.read(environ),
             priority=env.KV_PRIORITY.require(environ),
             static=env.STATIC_BYTES.require(environ),
             page_size=env.PAGE_SIZE.require(environ),
@@ -310,7 +321,9 @@ class BrokerLease(LeaseSource):
     def want(self, total_bytes: int) -> None:
         """Ask for the lease to reach ``total_bytes``, rounded up to whole chunks and to at
         least the lease plus the growth step (see the module docstring), capped at
-        ``kv_max``. Never blocks on I/O: the grant arrives via ``lease_changed``."""
+        the pool's capacity (its ``kv_max`` when that is unknown; the broker caps at the
+        ``kv_max`` in force, which may be raised in place). Never blocks on I/O: the grant
+        arrives via ``lease_changed``."""
         chunk = self._chunk
         with self._lock:
             if total_bytes <= max(self._limit, self._asked) or self._closed:
@@ -318,8 +331,9 @@ class BrokerLease(LeaseSource):
             self._grow_step(time.monotonic())
             target = max(total_bytes, self._limit + self._step)
             target = -(-target // chunk) * chunk
-            if self.policy.kv_max is not None:
-                target = min(target, self.policy.kv_max)
+            ceiling = self.policy.ceiling
+            if ceiling is not None:
+                target = min(target, ceiling)
             if target <= max(self._limit, self._asked):
                 return
             self._asked = target

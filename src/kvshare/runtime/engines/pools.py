@@ -96,20 +96,25 @@ def page_size() -> int:
 def virtual_kv_bytes(device: torch.device | str) -> int:
     """The KV capacity the engine sizes its cache for: the pool's virtual size.
 
-    ``KVSHARE_KV_MAX`` when set; otherwise the device's total memory less this worker's
-    static footprint (``KVSHARE_STATIC_BYTES``). Never the device's *free* memory, which
-    co-located servers change under each other. Physical use is bounded by the lease.
+    ``KVSHARE_KV_CAPACITY`` when set (the operator sets it from the GPU, so that
+    ``kvCache.max`` can be raised in place), else ``KVSHARE_KV_MAX``; otherwise the
+    device's total memory less this worker's static footprint (``KVSHARE_STATIC_BYTES``).
+    Never the device's *free* memory, which co-located servers change under each other.
+    Physical use is bounded by the lease.
     """
-    kv_max = env.KV_MAX.read()
-    if kv_max is not None:
-        return kv_max
+    sized = env.KV_CAPACITY.read()
+    if sized is None:
+        sized = env.KV_MAX.read()
+    if sized is not None:
+        return sized
     import torch
 
     target = torch.device(device)
     if target.type != "cuda":
         raise EngineConfigError(
             f"a KV cache on {target} has no device memory to be sized from; set "
-            "KVSHARE_KV_MAX to the largest KV cache (bytes) this worker may grow to"
+            "KVSHARE_KV_CAPACITY (or KVSHARE_KV_MAX) to the largest KV cache (bytes) this "
+            "worker may grow to"
         )
     _, total = torch.cuda.mem_get_info(device_index(target))
     static = env.STATIC_BYTES.require()
