@@ -33,6 +33,7 @@ BENCHMARKS = (
     "placement",
     "vmm",
     "blocks",
+    "sglang_alloc",
     "broker",
     "deviceplugin",
     "operator",

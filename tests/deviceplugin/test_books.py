@@ -672,3 +672,55 @@ def test_a_reclaim_nobody_needs_any_more_is_called_off() -> None:
     # ... and may ask for more again instead of hearing "reclaiming" for good.
     assert books.want(a, 2, 11 * GIB, 3.0)[0].message.reason == "granted"
     books.check()
+
+
+GPU_1 = GpuInfo(uuid="GPU-test-1", index=1, name="test", total_bytes=16 * GIB)
+
+
+def rank_asks(group: str, rank: int, gpu: GpuInfo) -> TurnRequest:
+    return TurnRequest(seq=1, gpu=gpu.uuid, static=GIB, rank=rank, group=group, group_size=2)
+
+
+def granted(sends: list[Send]) -> set[int]:
+    return {s.key for s in sends if isinstance(s.message, TurnGranted)}
+
+
+def test_tensor_parallel_groups_get_their_turns_all_at_once_in_one_order() -> None:
+    books = Books([GPU, GPU_1], headroom=GIB)
+    # The order that deadlocks turns given per GPU: each group's first rank asks first,
+    # on the GPU the other group's second rank will want.
+    assert granted(books.turn_request(1, rank_asks("a", 0, GPU), 100, 0.0)) == set()
+    assert granted(books.turn_request(4, rank_asks("b", 1, GPU_1), 201, 0.0)) == set()
+    assert granted(books.turn_request(2, rank_asks("a", 1, GPU_1), 101, 0.0)) == {1, 2}
+    assert granted(books.turn_request(3, rank_asks("b", 0, GPU), 200, 0.0)) == set()
+    assert [gpu.turn_waiting for gpu in books.view(0.0).gpus] == [1, 1]
+    assert granted(books.turn_done(1, 1.0)) == set()  # group b needs both GPUs
+    assert granted(books.turn_done(2, 1.0)) == {3, 4}
+    books.check()
+
+
+def test_a_rank_that_leaves_breaks_its_group_and_its_peers_are_refused() -> None:
+    books = Books([GPU, GPU_1], headroom=GIB)
+    books.turn_request(1, rank_asks("a", 0, GPU), 100, 0.0)
+    refused = books.turn_done(1, 1.0)
+    assert refused == []  # the group had no other rank yet
+    books.turn_request(2, rank_asks("b", 0, GPU), 200, 0.0)
+    books.turn_request(3, rank_asks("b", 1, GPU_1), 201, 0.0)  # b complete and granted
+    books.turn_request(4, rank_asks("c", 0, GPU), 300, 0.0)
+    books.turn_request(5, rank_asks("c", 1, GPU_1), 301, 0.0)  # c queues behind b
+    refused = books.turn_done(5, 2.0)  # c's rank 1 dies while waiting
+    assert [(s.key, type(s.message)) for s in refused] == [(4, TurnRefused)]
+    assert "rank 1 of group c left" in refused[0].message.reason  # type: ignore[attr-defined]
+    assert [gpu.turn_waiting for gpu in books.view(2.0).gpus] == [0, 0]
+
+
+def test_a_group_asking_twice_for_a_rank_or_a_gpu_is_refused() -> None:
+    books = Books([GPU, GPU_1], headroom=GIB)
+    books.turn_request(1, rank_asks("a", 0, GPU), 100, 0.0)
+    (twice,) = books.turn_request(2, rank_asks("a", 0, GPU_1), 101, 0.0)
+    assert "rank 0 of group a has asked already" in twice.message.reason  # type: ignore[attr-defined]
+    (same_gpu,) = books.turn_request(3, rank_asks("a", 1, GPU), 102, 0.0)
+    assert "has a rank on GPU 0 already" in same_gpu.message.reason  # type: ignore[attr-defined]
+    bad = TurnRequest(seq=1, gpu=GPU.uuid, rank=2, group="d", group_size=2)
+    (refused,) = books.turn_request(4, bad, 103, 0.0)
+    assert "0 <= rank < group size" in refused.message.reason  # type: ignore[attr-defined]

@@ -68,11 +68,14 @@ def start_agent(
 
 
 def published(api: Emulator, node: str) -> dict[str, Any]:
+    """The KVShareNode's status once it carries the GPUs and the first Node check (which
+    runs on its own thread, so an earlier write may lack its condition)."""
     try:
         status = api.get(f"{KVSHARENODES}/{node}").get("status") or {}
     except OSError:
         return {}
-    return dict(status) if status.get("gpus") else {}
+    checked = "NvidiaDevicePluginConflict" in conditions(status)
+    return dict(status) if status.get("gpus") and checked else {}
 
 
 def conditions(status: dict[str, Any]) -> dict[str, dict[str, Any]]:

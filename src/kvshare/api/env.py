@@ -113,7 +113,8 @@ ENABLE = EnvVar(
 BACKEND = EnvVar(
     "KVSHARE_BACKEND",
     "auto",
-    "virtual-memory backend of the KV pool: cuda, host, or auto (cuda when a driver answers)",
+    "virtual-memory backend of the KV pool: cuda, host, or auto (cuda when a driver answers; "
+    "host only where the container has no GPU, else start-up stops naming what it found)",
     _choice("auto", "cuda", "host"),
     "runtime",
 )
@@ -250,6 +251,15 @@ ALL: tuple[EnvVar[object], ...] = (
     IMAGE,
     LOG_LEVEL,
 )
+
+
+def cuda_visible_devices() -> str | None:
+    """``CUDA_VISIBLE_DEVICES`` as the container runtime or the user set it (never kvshare).
+
+    Read only to tell a GPU container from a CPU one; not one of kvshare's settings, so it
+    is not in :data:`ALL`.
+    """
+    return os.environ.get("CUDA_VISIBLE_DEVICES")
 
 
 def markdown_table() -> str:

@@ -174,6 +174,12 @@ class _BookkeepingBackend(Backend):
     def free_memory(self) -> int:
         return 1 << 50
 
+    def record_fence(self, streams: Sequence[int] = (0,)) -> None:
+        del streams  # no device work runs in the simulation: nothing to wait for
+
+    def wait_fence(self) -> None:
+        pass
+
     def close(self) -> None:
         self._book.mapped.clear()
         self._book.mapped_handles.clear()

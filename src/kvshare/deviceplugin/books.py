@@ -678,16 +678,18 @@ class Books:
             refusal = self._turns.refusal(gpu, request)
             if refusal is None and request.static + request.kv_min > gpu.placement_free:
                 refusal = no_fit(gpu, request.static, request.kv_min)
+        if refusal is None and gpu is not None:
+            queued, refusal = self._turns.enqueue(gpu, key, request, pid, now)
         if refusal is not None or gpu is None:
             return [Send("turn", key, TurnRefused(seq=request.seq, reason=refusal or ""))]
-        self._turns.enqueue(gpu, key, request, pid, now)
-        return self._serve(gpu, now)
+        return [send for queue in queued for send in self._serve(queue, now)]
 
     def turn_done(self, key: int, now: float) -> list[Send]:
         """Connection ``key`` is done with (or gave up waiting for) its start-up turn."""
         for gpu in self._gpus.values():
-            if self._turns.withdraw(gpu, key):
-                return self._serve(gpu, now)
+            refusals = self._turns.withdraw(gpu, key)
+            if refusals is not None:
+                return refusals + [s for g in self._gpus.values() for s in self._serve(g, now)]
         return []
 
     # --- administration -----------------------------------------------------------------

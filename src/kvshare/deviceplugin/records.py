@@ -246,6 +246,8 @@ class GpuRecord:
     healthy: bool = True
     turn: Turn | None = None
     queue: deque[TurnWaiter] = field(default_factory=deque)
+    forming: int = 0
+    """Ranks of tensor-parallel groups that wait here for their peers to ask."""
     static_sum: int = 0
     """Static footprints of pools and of the start-up turn's reservation."""
     min_sum: int = 0
@@ -356,5 +358,5 @@ class GpuRecord:
             unleased=self.unleased,
             pools=len(self.pools),
             turn_holder=f"pid {turn.waiter.pid}" if turn else "",
-            turn_waiting=len(self.queue),
+            turn_waiting=len(self.queue) + self.forming,
         )

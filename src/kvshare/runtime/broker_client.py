@@ -610,11 +610,15 @@ def startup_turn(
     timeout_s: float | None = None,
     socket_path: str | None = None,
     identity: PoolIdentity | None = None,
+    group: str = "",
 ) -> Iterator[float]:
     """Hold the GPU's start-up turn while an engine loads and profiles memory.
 
     One engine per GPU at a time; the broker first makes room for ``static_bytes`` +
-    ``kv_min`` (reclaiming lent memory). Yields the longest the turn may be held (the
+    ``kv_min`` (reclaiming lent memory). A rank of a tensor-parallel group (``identity``'s
+    TP size > 1) names its ``group``: the broker gives the group's turns all at once, once
+    every rank has asked, so ranks waiting for each other inside their turns never
+    deadlock against another group. Yields the longest the turn may be held (the
     broker takes it back after that). Raises :class:`StartupTurnTimeoutError` after
     ``timeout_s`` (default ``KVSHARE_STARTUP_TIMEOUT``), :class:`StartupTurnRefusedError`
     when the engine cannot fit, :class:`BrokerUnavailableError` without a broker.
@@ -631,6 +635,8 @@ def startup_turn(
             kv_min=kv_min,
             pod_uid=who.pod_uid,
             rank=who.rank,
+            group=group if who.tp_size > 1 else "",
+            group_size=who.tp_size if group else 1,
         )
         sock.sendall(BROKER_CODEC.encode(request))
         try:

@@ -138,6 +138,10 @@ class PageSpace:
             self._mapped.add(page)
 
     def unmap(self, pages: Sequence[int]) -> None:
+        """Unmap ``pages`` once the device work marked before now has finished (the
+        device fence: an in-flight kernel may still read a page the engine just freed)."""
+        if pages:
+            self.backend.wait_fence()
         for page in pages:
             with self._lock:
                 if page not in self._mapped:

@@ -25,6 +25,12 @@ Invariants
   the lease rises again, or a kept page empties, retired pages go back into service,
   fullest first.
 
+- A page emptied while the engine still had steps in flight is unmapped only after
+  them: pages picked for unmapping are stamped with the engine's steps scheduled so far
+  (:attr:`KVPool.steps`) and wait, held and off every free list, until those steps are
+  done; the backend's device fence covers the work already launched
+  (:mod:`kvshare.runtime.fence`). Neither costs ``alloc`` or ``free`` anything.
+
 Allocation is best fit: a request is served from the partial page with the fewest free
 blocks that still fits it (pages with the fewest free blocks are filled first otherwise),
 then from ready pages; so pages fill up densely and empty pages appear where they can be
@@ -74,6 +80,7 @@ from kvshare.runtime.errors import (
     PoolClosedError,
     PoolError,
 )
+from kvshare.runtime.fence import StepFence
 from kvshare.runtime.geometry import KVGeometry
 from kvshare.runtime.lease import LeaseSource, PoolUsage
 from kvshare.runtime.ownership import LocalOwnership, Ownership
@@ -233,6 +240,9 @@ class KVPool:
 
         self._thread: threading.Thread | None = None
         self._init_state()
+        self.steps = StepFence()
+        """The engine's steps: its scheduler's hooks count them (see :class:`StepFence`)."""
+        self.steps.watch(self._step_finished)
 
         self._mapper: PageMapper = self.ownership.open_mapper(geometry, backend, self._fail)
         try:
@@ -286,6 +296,10 @@ class KVPool:
         self._mapped_pages = 0
         self._growing = 0  # busy pages being created and mapped
         self._dropping = 0  # busy pages being unmapped and released
+        # Busy pages picked for unmapping that wait for the engine's steps in flight when
+        # they were picked: (stamp, pages), oldest first. Held, off every free list.
+        self._fenced: list[tuple[int, list[int]]] = []
+        self._fenced_pages = 0
         self._held_pages = 0  # mapped + growing + dropping
         self._used_blocks = 0
         self._allocs = 0
@@ -695,6 +709,27 @@ class KVPool:
         self._dropping += len(pages)
         return pages
 
+    def _fence(self, picked: list[int]) -> list[int]:
+        """Of the pages picked for unmapping now and earlier, those whose engine steps are
+        done (the rest wait, see the module docstring). ``_lock`` held."""
+        if picked:
+            self._dropping -= len(picked)
+            self._fenced.append((self.steps.stamp(), picked))
+            self._fenced_pages += len(picked)
+        due: list[int] = []
+        while self._fenced and self.steps.passed(self._fenced[0][0]):
+            _, pages = self._fenced.pop(0)
+            due += pages
+        if due:
+            self._fenced_pages -= len(due)
+            self._dropping += len(due)
+        return due
+
+    def _step_finished(self) -> None:
+        """An engine step is done (its scheduler's thread): fenced pages may be due."""
+        if self._fenced_pages:
+            self._wake.set()
+
     def _plan_retiring(self) -> None:
         """Retire or restore pages so that at most ``limit`` pages holding blocks stay in
         service (see the module docstring). ``_lock`` held."""
@@ -748,7 +783,7 @@ class KVPool:
     def _evict_for_lease(self) -> bool:
         """Ask the engine to evict cached blocks to get under the lease; whether any went."""
         evictor = self._evictor
-        over = self._held_pages - self._limit_pages
+        over = self._held_pages - self._fenced_pages - self._limit_pages
         if evictor is None or over <= 0:
             return False
         wanted = min(evictor.cached_blocks(), over * self._max_cap)
@@ -843,7 +878,7 @@ class KVPool:
             changed = self._rebalance()
             # The engine evicts in its own (LRU) order, which need not empty whole pages:
             # keep asking while that makes progress and the pool is still over its lease.
-            while self._held_pages > self._limit_pages and self._evict_for_lease():
+            while self._evict_for_lease():
                 changed = self._rebalance() or changed  # unmap what the eviction emptied
             with self._lock:
                 desired = self._mapped_pages - len(self._ready) + self._reserve_pages
@@ -857,7 +892,7 @@ class KVPool:
         lease. Whether anything changed."""
         with self._lock:
             self._plan_retiring()
-            over = self._held_pages - self._limit_pages
+            over = self._held_pages - self._limit_pages - self._fenced_pages
             if over > 0:
                 # Down to the lease, and the reserve trimmed as well in the same pass.
                 excess = len(self._ready) - self._reserve_pages
@@ -866,6 +901,7 @@ class KVPool:
             else:
                 drop = self._pick_ready_to_drop(len(self._ready) - self._reserve_pages)
                 grow = self._pick_reserve_pages()
+            drop = self._fence(drop)
         if drop:
             self._drop(drop)
         if grow:
@@ -944,7 +980,7 @@ class KVPool:
             used_pages = self._mapped_pages - len(self._ready)
             return PoolSnapshot(
                 virtual=self.geometry.virtual_bytes,
-                mapped=(self._mapped_pages + self._dropping) * pb,
+                mapped=(self._mapped_pages + self._dropping + self._fenced_pages) * pb,
                 used=used_pages * pb,
                 cached=min(cached_blocks * self.geometry.block_bytes_all_buffers, used_pages * pb),
                 reserved=self._growing * pb,

@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, cast
 
@@ -38,13 +38,17 @@ log = logging.getLogger(__name__)
 __all__ = [
     "EngineConfigError",
     "Role",
+    "begin_startup_turn",
     "device_index",
+    "end_startup_turn",
     "forget_pools",
     "lease_for",
+    "mark_launched",
     "open_local_pool",
     "open_owner_pool",
     "open_rank",
     "page_size",
+    "startup_budget",
     "startup_turn",
     "virtual_kv_bytes",
 ]
@@ -64,8 +68,9 @@ class Role:
     ownership: Literal["local", "coordinated"]
 
 
-_lock = threading.Lock()  # guards _opened
+_lock = threading.Lock()  # guards _opened and _held_turn
 _opened: list[KVPool | RankServer] = []  # closed by forget_pools (engine shutdown, tests)
+_held_turn: contextlib.ExitStack | None = None  # begin_startup_turn .. end_startup_turn
 
 
 def device_index(device: torch.device | str) -> int:
@@ -119,6 +124,22 @@ def virtual_kv_bytes(device: torch.device | str) -> int:
             "set it to this worker's weights, activations and CUDA context"
         )
     return int(total) - static
+
+
+def startup_budget() -> int:
+    """Device memory kvshare grants this worker at start-up: its static footprint
+    (``KVSHARE_STATIC_BYTES``) plus the KV memory it can count on — its ``kv min`` under the
+    broker (what its start-up turn reserves), or its fixed ``KVSHARE_KV_LIMIT`` standalone.
+
+    What an engine's own start-up check of free memory should ask for on a shared GPU,
+    instead of a fraction of the device's total.
+    """
+    from kvshare.runtime.broker_client import broker_present, broker_socket_path
+
+    static = env.STATIC_BYTES.require()
+    if broker_present(broker_socket_path()):
+        return static + env.KV_MIN.require()
+    return static + (env.KV_LIMIT.read() or 0)
 
 
 def _backend_kind() -> BackendKind:
@@ -221,6 +242,23 @@ def open_owner_pool(geometry: KVGeometry, group: str, world_size: int) -> KVPool
     return pool
 
 
+def mark_launched(device: torch.device | str, streams: Sequence[object] = ()) -> None:
+    """The engine has launched a step's device work: every pool and rank of this process
+    marks its device fence on the current stream and ``streams`` (torch streams), so no
+    page is unmapped before that work is done (:mod:`kvshare.runtime.fence`). Once a step."""
+    import torch
+
+    handles: tuple[int, ...] = (0,)
+    if torch.device(device).type == "cuda":
+        current = torch.cuda.current_stream(torch.device(device))
+        found = (current, *streams)
+        handles = tuple(sorted({int(s.cuda_stream) for s in found if s is not None}))  # type: ignore[attr-defined]
+    with _lock:
+        backends = [item.backend for item in _opened if item.backend is not None]
+    for backend in backends:
+        backend.record_fence(handles)
+
+
 def forget_pools() -> None:
     """Close every pool and rank server this process opened (engine shutdown, tests)."""
     with _lock:
@@ -231,10 +269,12 @@ def forget_pools() -> None:
 
 
 @contextlib.contextmanager
-def startup_turn(role: Role) -> Iterator[None]:
+def startup_turn(role: Role, group: str = "") -> Iterator[None]:
     """Hold the GPU's start-up turn from the broker while the engine profiles memory.
 
-    Without a node agent (``KVSHARE_KV_LIMIT`` standalone use) there is no turn to take.
+    The ranks of a tensor-parallel group name their ``group`` (unique within the pod): the
+    broker gives them their turns together. Without a node agent (``KVSHARE_KV_LIMIT``
+    standalone use) there is no turn to take.
     """
     from kvshare.runtime.broker_client import (
         PoolIdentity,
@@ -256,5 +296,28 @@ def startup_turn(role: Role) -> Iterator[None]:
         static_bytes=env.STATIC_BYTES.require(),
         kv_min=env.KV_MIN.require(),
         identity=identity,
+        group="/".join(part for part in (identity.pod_uid, group or role.engine) if part),
     ):
         yield
+
+
+def begin_startup_turn(role: Role, group: str = "") -> None:
+    """Take the GPU's start-up turn for this process until :func:`end_startup_turn` — for an
+    engine whose start-up spans several of its functions (SGLang: one scheduler per
+    process, from loading its weights to building its KV buffers)."""
+    global _held_turn
+    turn = contextlib.ExitStack()
+    turn.enter_context(startup_turn(role, group))
+    with _lock:
+        previous, _held_turn = _held_turn, turn
+    if previous is not None:
+        previous.close()
+
+
+def end_startup_turn() -> None:
+    """Give back the turn :func:`begin_startup_turn` took, if it is still held."""
+    global _held_turn
+    with _lock:
+        turn, _held_turn = _held_turn, None
+    if turn is not None:
+        turn.close()

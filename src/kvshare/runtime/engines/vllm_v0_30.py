@@ -1,7 +1,8 @@
 """Patches for vLLM 0.30.x (see :mod:`kvshare.runtime.engines.vllm_common`).
 
-Differs from 0.33.x in constructor parameters (no hash look-ahead) and in the kernel
-block size of MLA layers that have a storage block size of their own.
+Differs from 0.33.x in constructor parameters (no hash look-ahead, no external weight
+memory in the start-up check) and in the kernel block size of MLA layers that have a
+storage block size of their own.
 """
 
 from __future__ import annotations
@@ -32,4 +33,5 @@ PATCHES = vllm_patch_set(
     coordinator_parameters=COORDINATOR_PARAMETERS,
     block_pool_parameters=(*BLOCK_POOL_PARAMETERS, "medium"),
     kernel_block_size=_kernel_block_size,
+    request_memory_parameters=("init_snapshot", "cache_config"),
 )
