@@ -79,10 +79,15 @@ demo: $(DEMO_STAMP) $(PROTO_STUBS)  ## static partitions vs elastic KV caches he
 	$(VENV)/bin/kvshare demo
 
 # The GPU check runs with the GPU machine's own Python and its CUDA build of PyTorch (the
-# dev venv pins a CPU build); kvshare itself comes from src/.
+# dev venv pins a CPU build); kvshare itself comes from src/. `make gpu-check --dry-run`
+# (or -n) runs every check without a GPU, in the dev venv, on the host backend: make's own
+# dry run would only print the command, so the recipe is marked to run (+) and told.
 GPU_PYTHON ?= python3
-gpu-check:  ## on an NVIDIA GPU machine with PyTorch: GPU tests, page costs, decode, broker
-	PYTHONPATH=src $(GPU_PYTHON) bench/gpu_check.py --write BENCHMARKS.md
+GPU_CHECK_DRY := $(findstring n,$(firstword -$(MAKEFLAGS)))
+GPU_CHECK_ARGS ?=
+gpu-check:  ## on an NVIDIA GPU machine with PyTorch (--dry-run: without one)
+	+PYTHONPATH=src $(if $(GPU_CHECK_DRY),$(PY) bench/gpu_check.py --dry-run,$(GPU_PYTHON) \
+		bench/gpu_check.py --write BENCHMARKS.md) $(GPU_CHECK_ARGS)
 
 docs: $(DEV_STAMP)  ## regenerate the generated tables in docs/
 	$(PY) tools/update_docs.py

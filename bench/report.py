@@ -17,7 +17,7 @@ _GPU_MARKER = "<!-- gpu-check results below are kept across `make bench` runs --
 _NO_GPU_RUN = """## GPU check
 
 Not run yet: `make gpu-check` on a machine with an NVIDIA GPU and PyTorch records its
-results here (`python bench/gpu_check.py --dry-run` exercises it without a GPU).
+results here (`make gpu-check --dry-run` exercises it without a GPU).
 """
 
 

@@ -28,38 +28,40 @@ from harness import Result, machine, today
 from report import write_report
 
 BENCH_DIR = Path(__file__).resolve().parent
-#: Every benchmark, in report order. Each is ``bench/<name>.py`` (``-`` written ``_``) with
-#: ``run(quick)``.
+#: Every benchmark, in report order. Each is ``bench/<name>.py`` with ``run(quick)``.
 BENCHMARKS = (
     "placement",
     "vmm",
     "blocks",
+    "sglang_alloc",
     "broker",
     "deviceplugin",
     "operator",
     "elastic",
+    "elastic-suite",
     "fuzz",
     "vllm-overhead",
     "elastic-vllm",
 )
 
 
-def source(name: str) -> Path:
-    """The file of benchmark ``name``."""
+def _path(name: str) -> Path:
+    """``bench/<name>.py``, dashes written as underscores."""
     return BENCH_DIR / f"{name.replace('-', '_')}.py"
 
 
 def available() -> list[str]:
-    return [name for name in BENCHMARKS if source(name).exists()]
+    return [name for name in BENCHMARKS if _path(name).exists()]
 
 
 def load(name: str) -> ModuleType:
-    path = source(name)
+    path = _path(name)
     if name not in BENCHMARKS or not path.exists():
         raise SystemExit(f"unknown benchmark {name!r}; available: {', '.join(available())}")
-    spec = importlib.util.spec_from_file_location(f"kvshare_bench_{name.replace('-', '_')}", path)
+    spec = importlib.util.spec_from_file_location(f"kvshare_bench_{path.stem}", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while it loads
     spec.loader.exec_module(module)
     return module
 

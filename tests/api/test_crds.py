@@ -46,7 +46,25 @@ def test_crd_is_a_valid_apiextensions_v1_object(crd: dict[str, Any], version: st
 def test_crd_schema_is_structural(crd: dict[str, Any]) -> None:
     (version,) = crd["spec"]["versions"]
     assert structural_problems(version["schema"]["openAPIV3Schema"]) == []
-    assert version["subresources"] == {"status": {}}
+    assert version["subresources"]["status"] == {}
+
+
+def test_modelserver_scales_through_its_replicas_and_pod_selector() -> None:
+    (version,) = MODELSERVER_CRD["spec"]["versions"]
+    scale = version["subresources"]["scale"]
+    schema = version["schema"]["openAPIV3Schema"]
+
+    def field(path: str) -> dict[str, Any]:
+        node = schema
+        for part in path.strip(".").split("."):
+            node = node["properties"][part]
+        return dict(node)
+
+    assert field(scale["specReplicasPath"])["type"] == "integer"
+    assert field(scale["statusReplicasPath"])["type"] == "integer"
+    assert field(scale["labelSelectorPath"])["type"] == "string"
+    (kvsharenode,) = KVSHARENODE_CRD["spec"]["versions"]
+    assert "scale" not in kvsharenode["subresources"]
 
 
 def test_crds_print_as_two_yaml_documents() -> None:

@@ -77,6 +77,30 @@ CASES = [
             "kvsharenodeagentdown",
         ),
     ),
+    # NVIDIA's device plugin advertises gpu-1's GPUs from minute 2 (the agent's check finds
+    # it); gpu-2 has none.
+    _case(
+        [
+            (
+                'kvshare_node_device_plugin_conflict{node="gpu-1", resource="nvidia.com/gpu"}',
+                "0 0 8x10",
+            ),
+            (
+                'kvshare_node_device_plugin_conflict{node="gpu-2", resource="nvidia.com/gpu"}',
+                "0x12",
+            ),
+        ],
+        "KVShareDevicePluginConflict",
+        "1m",
+        "3m",
+        _alert(
+            {"severity": "critical", "node": "gpu-1", "resource": "nvidia.com/gpu"},
+            "another device plugin hands out the GPUs kvshare serves on gpu-1",
+            "gpu-1 advertises 8 nvidia.com/gpu for GPUs kvshare also serves: a pod asking for "
+            "it gets a GPU kvshare lends to other pods. Keep NVIDIA's device plugin off the node.",
+            "kvsharedevicepluginconflict",
+        ),
+    ),
     # One denial per second on GPU-a (above 0.1/s) for 30 minutes; GPU-b denies once a
     # minute for want of room, and many times a second against a pool's own kvCache.max.
     _case(

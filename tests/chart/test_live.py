@@ -18,6 +18,7 @@ import pytest
 from tests.chart.helm import CHART
 from tests.chart.live import Target, http_get, operator_metrics_port, prometheus
 from tests.chart.prometheus import label_values_metric, tool
+from tests.chart.test_autoscaling import queries_for
 from tests.chart.test_dashboard import (
     dashboard,
     grafana_to_promql,
@@ -143,9 +144,9 @@ async def test_prometheus_scraping_node_agent_and_operator_answers_every_dashboa
     cluster: Cluster,  # noqa: F811
     start_operator: StartOperator,  # noqa: F811
 ) -> None:
-    """Every query of the dashboard (panels and variables, all variables at "All") returns
-    series from a real Prometheus scraping a real node agent and a real operator (serving
-    a Starting and an Unschedulable ModelServer)."""
+    """Every query of the dashboard (panels and variables, all variables at "All") and of
+    the autoscaling examples returns series from a real Prometheus scraping a real node
+    agent and a real operator (serving a Starting and an Unschedulable ModelServer)."""
     queries = _dashboard_queries()
     operator_port = await operator_metrics_port(cluster, start_operator)
     with node_agent_with_traded_memory() as agent:
@@ -165,5 +166,9 @@ async def test_prometheus_scraping_node_agent_and_operator_answers_every_dashboa
                 except AssertionError:
                     empty.append(query)
             assert empty == [], f"queries with no series: {empty}"
+            # The autoscaling examples' queries, aimed at the operator's placed ModelServer.
+            for query in queries_for("llm", "qwen"):
+                (series,) = server.wait_until(query, query, timeout=30)
+                assert float(series["value"][1]) >= 0
             # The check can fail: a metric nothing exports has no series.
             assert server.query("kvshare_no_such_metric_bytes") == []

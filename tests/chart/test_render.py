@@ -21,6 +21,8 @@ import yaml
 
 from kvshare.api import env as env_module
 from kvshare.api import names
+from kvshare.deviceplugin import node_config
+from kvshare.deviceplugin.node_config import NodeConfigFile, load_config_file, select
 from tests.chart.helm import (
     CERT_MANAGER,
     CHART,
@@ -71,6 +73,24 @@ MATRIX: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
         (),
     ),
     "two-operator-replicas": ({"operator.replicas": 2}, ()),
+    "per-node-configs": (
+        {
+            "nodeAgent.configs": {
+                "h100-dense": {"slotsPerGpu": 16, "headroom": "1Gi"},
+                "lab": {"fakeGpus": "2x16Gi"},
+            }
+        },
+        (),
+    ),
+    "team-quotas": (
+        {
+            "quotas": [
+                {"namespace": "team-a", "gpuMemory": 160, "gpuSlots": 8},
+                {"namespace": "team-b", "gpuMemory": 48, "hard": {"requests.cpu": "64"}},
+            ]
+        },
+        (),
+    ),
     "fake-gpus": ({"nodeAgent.fakeGpus": "2x80Gi", "nodeAgent.runtimeClassName": ""}, ()),
     "everything": (
         {
@@ -175,6 +195,28 @@ def test_two_operator_replicas_get_peering_and_a_disruption_budget() -> None:
     assert f"--peering={peering}" in args
 
 
+def test_quotas_bound_each_team_namespaces_gpu_memory_and_slots() -> None:
+    rendered = template(
+        {
+            "quotas": [
+                {"namespace": "team-a", "gpuMemory": 160, "gpuSlots": 8},
+                {"namespace": "team-b", "gpuMemory": 48, "hard": {"requests.cpu": "64"}},
+            ]
+        }
+    )
+    quotas = {
+        q["metadata"]["namespace"]: q["spec"]["hard"] for q in rendered.of_kind("ResourceQuota")
+    }
+    assert quotas == {
+        "team-a": {
+            f"requests.{names.RESOURCE_GPU_MEMORY}": "160",
+            f"requests.{names.RESOURCE_GPU}": "8",
+        },
+        "team-b": {f"requests.{names.RESOURCE_GPU_MEMORY}": "48", "requests.cpu": "64"},
+    }
+    assert template().of_kind("ResourceQuota") == []
+
+
 def test_node_agent_mounts_only_the_device_plugin_folder_and_run_kvshare() -> None:
     spec = _pod_spec(template(), "DaemonSet")
     host_paths = {v["hostPath"]["path"] for v in spec["volumes"] if "hostPath" in v}
@@ -204,16 +246,67 @@ def test_node_agent_runs_on_gpu_nodes_only_and_scheduling_is_configurable() -> N
     assert _pod_spec(template(values), "Deployment")["nodeSelector"] == {"role": "system"}
 
 
-def test_cdi_and_fake_gpus_reach_the_node_agent_command_line() -> None:
+def node_configs(rendered: Rendered, tmp_path: Path) -> NodeConfigFile:
+    """The node agents' configuration file as rendered, read by the agent's own loader
+    from where the DaemonSet mounts it and its --config flag names it."""
+    spec = _pod_spec(rendered, "DaemonSet")
+    (container,) = spec["containers"]
+    (flag,) = [a for a in container["args"] if a.startswith("--config=")]
+    path = Path(flag.removeprefix("--config="))
+    (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == str(path.parent)]
+    (volume,) = [v for v in spec["volumes"] if v["name"] == mount["name"]]
+    configmap = rendered.one("ConfigMap", volume["configMap"]["name"])
+    file = tmp_path / path.name
+    file.write_text(configmap["data"][path.name], encoding="utf-8")
+    return load_config_file(file)
+
+
+def test_cdi_and_fake_gpus_reach_the_node_agent(tmp_path: Path) -> None:
     args = _pod_spec(template(), "DaemonSet")["containers"][0]["args"]
-    assert not any(a.startswith(("--cdi", "--fake-gpus")) for a in args)
+    assert not any(a.startswith("--cdi") for a in args)
+    assert node_configs(template(), tmp_path).default.fake_gpus == ""
     cdi = _pod_spec(template({"cdi.enabled": True}), "DaemonSet")["containers"][0]["args"]
     assert "--cdi-kind=nvidia.com/gpu" in cdi
     fake = template({"nodeAgent.fakeGpus": "2x80Gi"})
+    assert node_configs(fake, tmp_path).default.fake_gpus == "2x80Gi"
     container = _pod_spec(fake, "DaemonSet")["containers"][0]
-    assert "--fake-gpus=2x80Gi" in container["args"]
     # Declared GPUs need no NVIDIA runtime access.
     assert "NVIDIA_VISIBLE_DEVICES" not in {e["name"] for e in container["env"]}
+
+
+def test_each_node_runs_the_configuration_its_label_names(tmp_path: Path) -> None:
+    values, _ = MATRIX["per-node-configs"]
+    rendered = template(values)
+    configs = node_configs(rendered, tmp_path)
+    args = _pod_spec(rendered, "DaemonSet")["containers"][0]["args"]
+    label = "kvshare.io/node-config"
+    assert f"--config-label={label}" in args
+
+    default = select(configs, {"kubernetes.io/hostname": "gpu-1"}, label)
+    assert (default.name, default.settings.slots_per_gpu, default.settings.headroom) == (
+        "default",
+        8,
+        512 * 2**20,
+    )
+    dense = select(configs, {label: "h100-dense"}, label)
+    assert dense.name == "h100-dense"
+    assert (dense.settings.slots_per_gpu, dense.settings.headroom) == (16, 2**30)
+    assert dense.settings.reclaim_deadline_seconds == 10  # from the defaults
+    lab = select(configs, {label: "lab"}, label).settings
+    assert (lab.fake_gpus, lab.slots_per_gpu) == ("2x16Gi", 8)
+    typo = select(configs, {label: "h100-dense2"}, label)
+    assert typo.name == "default" and "names no configuration" in typo.problem
+
+
+def test_a_changed_configuration_restarts_the_node_agents() -> None:
+    def checksum(values: dict[str, Any]) -> str:
+        spec = template(values).one("DaemonSet")["spec"]["template"]
+        return str(spec["metadata"]["annotations"]["checksum/node-config"])
+
+    values, _ = MATRIX["per-node-configs"]
+    assert checksum({}) != checksum(values)
+    assert checksum(values) == checksum(values)
+    assert checksum({"nodeAgent.slotsPerGpu": 4}) != checksum({})
 
 
 def test_rbac_has_no_wildcards_and_binds_each_service_account() -> None:
@@ -265,7 +358,8 @@ def test_dashboard_configmap_carries_the_dashboard_and_the_sidecar_label() -> No
     assert config_map["metadata"]["labels"]["grafana"] == "dashboards"
     shipped = json.loads((CHART / "dashboards" / "kvshare.json").read_text(encoding="utf-8"))
     assert json.loads(config_map["data"]["kvshare.json"]) == shipped
-    assert "ConfigMap" not in template({"dashboard.enabled": False}).kinds()
+    without = template({"dashboard.enabled": False}).of_kind("ConfigMap")
+    assert not [c for c in without if c["metadata"]["name"].endswith("-dashboard")]
 
 
 def test_webhook_with_helm_certificate_trusts_the_ca_it_serves_with() -> None:
@@ -402,6 +496,7 @@ def test_chart_defaults_agree_with_the_names_the_programs_use() -> None:
     assert defaults["operator"]["peeringName"] == names.PEERING_NAME
     assert defaults["nodeAgent"]["metricsPort"] == names.METRICS_PORT
     assert defaults["nodeAgent"]["devicePluginDir"] == names.DEVICE_PLUGIN_DIR
+    assert defaults["nodeAgent"]["configLabel"] == node_config.DEFAULT_LABEL
     assert defaults["webhook"]["port"] == names.WEBHOOK_PORT
     rendered = template({"webhook.enabled": True})
     (hook,) = rendered.one("MutatingWebhookConfiguration")["webhooks"]

@@ -49,11 +49,42 @@ def short_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
         "3",
         "--metrics-port",
         "0",
+        "--broker-policy",
+        "fair-share",
+        "--broker-policy",
+        "entitlement",
+        "--kv-min-share",
+        "0.25",
         "--output",
         str(out),
     )
     assert done.returncode == 0, done.stdout + done.stderr
     return out, done.stdout
+
+
+def test_two_broker_policies_run_side_by_side_on_the_same_trace(
+    short_run: tuple[Path, str],
+) -> None:
+    out, stdout = short_run
+    results: dict[str, Any] = json.loads((out / "results.json").read_text())
+    worlds = results["worlds"]
+    assert {name: w["policy"] for name, w in worlds.items()} == {
+        "elastic": "fair-share",
+        "elastic-entitlement": "entitlement",
+    }
+    offered = len(trace.load(out / "trace.json").requests)
+    for world in worlds.values():
+        assert world["static"]["served"] == results["static"]["served"]
+        assert world["elastic"]["offered"] == offered
+    assert "Elastic under broker policy entitlement: served" in stdout
+    # kvCache.min at a quarter of an equal share: no elastic lease ever went below it.
+    share = 2 * GIB // 3
+    for server in results["servers"]:
+        if server["mode"] == "elastic":
+            assert min(s["lease"] for s in server["samples"]) >= share // 4
+    # Each elastic world had its own node agent, with its own policy and its own logs.
+    logs = sorted(p.name for p in out.glob("server-elastic*-0.log"))
+    assert logs == ["server-elastic-0.log", "server-elastic-entitlement-0.log"]
 
 
 def test_a_short_demo_prints_the_comparison_and_writes_the_plot(

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 
 from kvshare.demo import trace
-from kvshare.demo.engine_sim import EngineSim
+from kvshare.demo.engine_sim import EngineSim, StepCost
 from kvshare.demo.trace import Request, TraceConfig
 from kvshare.runtime.backends import open_backend
 from kvshare.runtime.geometry import KVGeometry
@@ -46,7 +46,7 @@ def pools() -> Iterator[list[KVPool]]:
 def engine(pools: list[KVPool], blocks: int, requests: list[Request]) -> EngineSim:
     pool = make_pool(blocks)
     pools.append(pool)
-    sim = EngineSim(requests, pool, block_tokens=BLOCK_TOKENS, step_s=STEP_S)
+    sim = EngineSim(requests, pool, block_tokens=BLOCK_TOKENS, cost=StepCost(STEP_S))
     pool.set_evictor(sim.prefix_cache)
     return sim
 
@@ -111,8 +111,7 @@ def test_cached_prefix_blocks_outlive_their_requests_and_are_evicted_under_press
     # 20 blocks: after the first two finish, 4 stay cached; a request needing 20 blocks
     # (319 + 1 tokens) then only fits by evicting them.
     sim = engine(pools, 20, [*first, req(2, 319, 1, arrival=1.0)])
-    for _ in range(20):
-        sim.step()
+    sim.advance(0.5)
     assert sim.stats.served == 2
     assert sim.prefix_cache.cached_blocks() == 4
     assert pools[0].snapshot().used_blocks == 4
@@ -123,8 +122,7 @@ def test_cached_prefix_blocks_outlive_their_requests_and_are_evicted_under_press
 
 def test_a_cached_prefix_is_reused_by_the_next_request(pools: list[KVPool]) -> None:
     sim = engine(pools, 40, [req(0, 100, 5, prefix=64), req(1, 100, 5, arrival=1.0, prefix=64)])
-    for _ in range(10):
-        sim.step()
+    sim.advance(0.5)
     allocations = pools[0].snapshot().allocations
     run_to_end(sim)
     assert sim.prefix_cache.evicted_blocks == 0
@@ -161,10 +159,22 @@ def test_requests_still_queued_at_the_end_count_with_the_time_waited_so_far(
 
 
 def test_advance_takes_every_step_due_and_no_more(pools: list[KVPool]) -> None:
-    sim = engine(pools, 10, [])
+    sim = engine(pools, 10, [req(0, 10, 100)])
     assert sim.advance(0.1) == 5
     assert sim.advance(0.1) == 0
     assert sim.clock == pytest.approx(0.1)
+
+
+def test_an_idle_engine_waits_for_the_next_arrival_instead_of_stepping(
+    pools: list[KVPool],
+) -> None:
+    sim = engine(pools, 10, [req(0, 10, 2, arrival=0.5)])
+    assert sim.advance(0.4) == 0 and sim.clock == pytest.approx(0.4)
+    assert sim.next_step_at() == pytest.approx(0.5)
+    sim.advance(1.0)
+    assert sim.stats.served == 1
+    assert sim.stats.waits_s == [pytest.approx(STEP_S)]  # scheduled as it arrived
+    assert sim.steps == 2
 
 
 def test_a_client_out_of_patience_before_its_first_token_abandons_the_request(
@@ -175,7 +185,9 @@ def test_a_client_out_of_patience_before_its_first_token_abandons_the_request(
     pool = make_pool(10)
     pools.append(pool)
     requests = [req(0, 100, 50), req(1, 100, 5, arrival=0.1), req(2, 10, 5, arrival=3.0)]
-    sim = EngineSim(requests, pool, block_tokens=BLOCK_TOKENS, step_s=STEP_S, patience_s=0.5)
+    sim = EngineSim(
+        requests, pool, block_tokens=BLOCK_TOKENS, cost=StepCost(STEP_S), patience_s=0.5
+    )
     sim.advance(0.6)
     assert sim.stats.abandoned == 0 and sim.sample().waiting == 1
     sim.advance(0.7)  # b has waited more than 0.5 s: its client left
@@ -196,7 +208,9 @@ def test_a_preempted_request_already_had_its_first_token_and_is_never_abandoned(
     pool = make_pool(10)
     pools.append(pool)
     requests = [req(0, 60, 100), req(1, 60, 100)]
-    sim = EngineSim(requests, pool, block_tokens=BLOCK_TOKENS, step_s=STEP_S, patience_s=0.5)
+    sim = EngineSim(
+        requests, pool, block_tokens=BLOCK_TOKENS, cost=StepCost(STEP_S), patience_s=0.5
+    )
     run_to_end(sim)
     assert sim.stats.preemptions >= 1
     assert sim.stats.served == 2 and sim.stats.abandoned == 0
@@ -206,4 +220,77 @@ def test_patience_must_be_positive(pools: list[KVPool]) -> None:
     pool = make_pool(4)
     pools.append(pool)
     with pytest.raises(ValueError, match="patience_s must be > 0"):
-        EngineSim([], pool, block_tokens=BLOCK_TOKENS, step_s=STEP_S, patience_s=0)
+        EngineSim([], pool, block_tokens=BLOCK_TOKENS, cost=StepCost(STEP_S), patience_s=0)
+
+
+def test_a_step_costs_what_its_batch_computes_and_attends_to(pools: list[KVPool]) -> None:
+    cost = StepCost(STEP_S, per_token_s=0.001, per_context_token_s=0.0001)
+    pool = make_pool(40)
+    pools.append(pool)
+    # Two 32-token prompts admitted together, then two requests decoding.
+    sim = EngineSim([req(0, 32, 3), req(1, 32, 3)], pool, block_tokens=BLOCK_TOKENS, cost=cost)
+    sim.step()
+    assert sim.clock == pytest.approx(STEP_S + 64 * 0.001)  # both prefills, no context yet
+    first = sim.clock
+    sim.step()
+    # Two decoded tokens over 2 x 33 tokens of context.
+    assert sim.clock - first == pytest.approx(STEP_S + 2 * 0.001 + 66 * 0.0001)
+    assert sim.stats.waits_s == [pytest.approx(first)] * 2  # first tokens at the step's end
+
+
+def test_the_step_token_cap_defers_admissions_to_the_next_step(pools: list[KVPool]) -> None:
+    cost = StepCost(STEP_S, per_token_s=0.001, max_tokens=100)
+    pool = make_pool(40)
+    pools.append(pool)
+    requests = [req(0, 60, 50), req(1, 60, 50), req(2, 200, 5)]
+    sim = EngineSim(requests, pool, block_tokens=BLOCK_TOKENS, cost=cost)
+    sim.step()
+    assert sim.sample().running == 1  # 60 + 60 would exceed 100 tokens
+    sim.step()
+    assert sim.sample().running == 2  # 1 decoded + 60 fit
+    sim.step()
+    # The 200-token prompt exceeds what the 2 decodes leave of the cap, but a step's first
+    # admission always goes (chunked prefill would start it).
+    assert sim.sample().running == 3
+
+
+def test_a_cached_prefix_is_not_computed_again(pools: list[KVPool]) -> None:
+    cost = StepCost(STEP_S, per_token_s=0.001)
+    pool = make_pool(40)
+    pools.append(pool)
+    requests = [req(0, 100, 2, prefix=64), req(1, 100, 2, arrival=1.0, prefix=64)]
+    sim = EngineSim(requests, pool, block_tokens=BLOCK_TOKENS, cost=cost)
+    sim.step()
+    assert sim.tokens == 100
+    sim.advance(2.0)
+    assert sim.stats.served == 2
+    assert sim.tokens == 100 + 1 + (100 - 64) + 1  # the second computed only 36 prompt tokens
+
+
+def test_a_client_whose_patience_runs_out_during_its_prefill_step_has_left(
+    pools: list[KVPool],
+) -> None:
+    # The first prompt's step takes 0.12 s; the second's (the cap puts it into the next
+    # step, beside one decoded token) 0.421 s more: its first token would come at 0.541 s.
+    cost = StepCost(STEP_S, per_token_s=0.001, max_tokens=150)
+    pool = make_pool(40)
+    pools.append(pool)
+    requests = [req(0, 100, 2), req(1, 400, 2, arrival=0.0)]
+    sim = EngineSim(requests, pool, block_tokens=BLOCK_TOKENS, cost=cost, patience_s=0.5)
+    sim.advance(2.0)
+    assert sim.stats.abandoned == 1 and sim.stats.served == 1
+    assert sorted(sim.stats.waits_s) == [pytest.approx(0.12), 0.5]
+    assert pool.snapshot().used_blocks == 0, "the dropped request's blocks came back"
+
+
+def test_a_preempted_request_recomputes_what_it_had_and_goes_on_from_there(
+    pools: list[KVPool],
+) -> None:
+    # 10 blocks; both start with 4 blocks (61 tokens) and grow until the newer is preempted
+    # (about 20 tokens out); the other finishes at step 100. Readmitted, the preempted one
+    # prefills its prompt and its tokens so far in one step and decodes only the rest: done
+    # at step 180, where starting again from its first token would take it to 200.
+    sim = engine(pools, 10, [req(0, 60, 100), req(1, 60, 100)])
+    run_to_end(sim)
+    assert sim.stats.preemptions == 1 and sim.stats.served == 2
+    assert sim.clock < 190 * STEP_S

@@ -73,14 +73,10 @@ def test_a_share_of_requests_carries_its_models_system_prompt() -> None:
         assert all(r.prompt_tokens > r.prefix_tokens for r in mine)
 
 
-def test_capacity_does_not_depend_on_the_seed_and_scales_with_memory() -> None:
+def test_capacity_does_not_depend_on_the_seed() -> None:
     config = TraceConfig()
     assert trace.share_capacity_rps(config) == trace.share_capacity_rps(
         dataclasses.replace(config, seed=99)
-    )
-    doubled = dataclasses.replace(config, gpu_memory_bytes=2 * config.gpu_memory_bytes)
-    assert trace.share_capacity_rps(doubled) == pytest.approx(
-        2 * trace.share_capacity_rps(config), rel=0.01
     )
 
 
@@ -143,3 +139,42 @@ def test_the_patience_travels_with_the_trace(tmp_path: Path) -> None:
     path = tmp_path / "trace.json"
     trace.save(trace.generate(TraceConfig(duration_s=5, patience_s=4.5)), path)
     assert trace.load(path).config.patience_s == 4.5
+
+
+def test_a_version_3_file_replays_with_the_fixed_step_engine_it_ran_on(tmp_path: Path) -> None:
+    path = tmp_path / "trace.json"
+    trace.save(trace.generate(TraceConfig(duration_s=5)), path)
+    payload = json.loads(path.read_text())
+    for key in ("step_token_s", "step_context_s", "max_step_tokens"):
+        del payload["config"][key]
+    payload["version"] = 3
+    path.write_text(json.dumps(payload))
+    cost = trace.load(path).config.step_cost()
+    assert (cost.per_token_s, cost.per_context_token_s, cost.max_tokens) == (0.0, 0.0, None)
+
+
+def test_twice_the_memory_serves_twice_as_much_only_when_steps_cost_nothing_per_token() -> None:
+    fixed = TraceConfig(step_token_s=0.0, step_context_s=0.0, max_step_tokens=None)
+    priced = TraceConfig()
+
+    def gain(config: TraceConfig) -> float:
+        bigger = dataclasses.replace(config, gpu_memory_bytes=2 * config.gpu_memory_bytes)
+        return trace.share_capacity_rps(bigger) / trace.share_capacity_rps(config)
+
+    assert gain(fixed) == pytest.approx(2.0, rel=0.01)
+    assert 1.0 < gain(priced) < 1.8
+    assert trace.share_capacity_rps(priced) < trace.share_capacity_rps(fixed)
+
+
+def test_busy_windows_come_from_the_arrivals_not_from_the_config() -> None:
+    # The config says model 0 is busy in [0, 10) and model 1 in [10, 20); the requests
+    # say model 1 was busy in [4, 8) and model 0 never.
+    config = TraceConfig(duration_s=20, models=2, gpu_memory_bytes=2 * 2**30)
+    rate = trace.share_capacity_rps(config) * 3
+    rng = trace.model_rng(0, 1)
+    rows = trace.poisson_requests(config, rng, model=1, prefix=0, start_s=4, end_s=8, rate=rate)
+    rows += trace.poisson_requests(
+        config, rng, model=0, prefix=0, start_s=0, end_s=20, rate=rate / 30
+    )
+    windows = trace.busy_windows(trace.assemble(config, rows))  # 2 s bins
+    assert [(w.model, w.start_s, w.end_s) for w in windows] == [(1, 4.0, 8.0)]

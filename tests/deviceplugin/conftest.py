@@ -79,19 +79,30 @@ def short_tmp() -> Iterator[Path]:
 class AgentProcess:
     """``kvshare node`` with fake GPUs, sockets in a temp dir, no kubelet, no cluster."""
 
-    def __init__(self, directory: Path, fake_gpus: str, extra: list[str]) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        fake_gpus: str | None,
+        extra: list[str],
+        *,
+        node_name: str = "test-node",
+        kubeconfig: Path | None = None,
+    ) -> None:
+        """``fake_gpus`` None: the GPUs come from the node's configuration (``--config``);
+        ``kubeconfig`` None: no Kubernetes API."""
         self.directory = directory
         self.broker_socket = directory / "broker.sock"
         self.admin_socket = directory / "admin.sock"
-        self.gpus = parse_fake_gpus(fake_gpus, "test-node")
+        self.gpus = parse_fake_gpus(fake_gpus, node_name) if fake_gpus else []
+        kube = ["--kubeconfig", str(kubeconfig)] if kubeconfig else ["--no-kube"]
         self._args = [
             sys.executable, "-m", "kvshare.cli", "node",
-            "--fake-gpus", fake_gpus,
-            "--node-name", "test-node",
+            *(["--fake-gpus", fake_gpus] if fake_gpus else []),
+            "--node-name", node_name,
             "--broker-socket", str(self.broker_socket),
             "--device-plugin-dir", str(directory / "no-kubelet"),
             "--metrics-address", "127.0.0.1:0",
-            "--no-kube",
+            *kube,
             *extra,
         ]  # fmt: skip
         self.process: subprocess.Popen[str] | None = None

@@ -88,6 +88,13 @@ def main() -> int:
     parser.add_argument("--socket", required=True)
     parser.add_argument("--gpu", required=True)
     parser.add_argument("--pod", default="")
+    parser.add_argument("--pod-uid", default="")
+    parser.add_argument("--namespace", default="test")
+    parser.add_argument("--modelserver", default="")
+    parser.add_argument("--static", type=int, default=0)
+    parser.add_argument(
+        "--capacity", type=int, default=None, help="most it ever asks (default: its kv max)"
+    )
     parser.add_argument("--kv-min", type=int, default=0)
     parser.add_argument("--kv-max", type=int, default=None)
     parser.add_argument("--priority", type=int, default=100)
@@ -100,9 +107,19 @@ def main() -> int:
     lease = BrokerLease(
         args.gpu,
         policy=PoolPolicy(
-            kv_min=args.kv_min, kv_max=args.kv_max, priority=args.priority, page_size=PAGE
+            kv_min=args.kv_min,
+            kv_max=args.kv_max,
+            priority=args.priority,
+            static=args.static,
+            page_size=PAGE,
+            capacity=args.capacity,
         ),
-        identity=PoolIdentity(namespace="test", pod=args.pod),
+        identity=PoolIdentity(
+            namespace=args.namespace,
+            pod=args.pod,
+            pod_uid=args.pod_uid,
+            modelserver=args.modelserver,
+        ),
         socket_path=args.socket,
         report_interval_s=0.01,
         chunk_bytes=args.chunk,

@@ -18,7 +18,7 @@ from kvshare.deviceplugin.books import (
     Send,
 )
 from kvshare.deviceplugin.inventory import GpuInfo
-from kvshare.deviceplugin.policy import GpuState, Policy, fair_shares
+from kvshare.deviceplugin.policy import FairShare, GpuState, Policy, fair_shares
 
 GIB = 2**30
 PAGE = 2 * 2**20
@@ -222,6 +222,42 @@ def test_lowering_max_reclaims_down_to_it() -> None:
     assert asked[a].limit == 3 * GIB
     with pytest.raises(ValueError, match="below pool ns/a's kv min"):
         books.set_max(a, GIB // 4, 1.0)
+
+
+def test_raising_max_grants_what_the_pool_asked_beyond_the_old_one() -> None:
+    books = Books([GPU], headroom=GIB)
+    a = admit(books, "a", 10, kv_max=2 * GIB)
+    answer = books.want(a, 1, 6 * GIB, 0.0)
+    assert answer[0].message.limit == 2 * GIB and answer[0].message.reason.startswith("max")
+    # The pool does not ask again (it was told it is at its max): the books remember.
+    assert leases(books.set_max(a, 5 * GIB, 0.5)) == {a: 5 * GIB}
+    assert leases(books.set_max(a, None, 1.0)) == {a: 6 * GIB}
+    books.check()
+
+
+def test_a_policy_changed_in_place_moves_cap_minimum_and_priority() -> None:
+    books = Books([GPU], headroom=GIB)  # 15 GiB to lend after headroom
+    a = admit(books, "a", 10, kv_max=8 * GIB)
+    b = admit(books, "b", 11, priority=100)
+    books.want(a, 1, 8 * GIB, 0.0)
+    # A lower cap reclaims; a higher minimum is guaranteed (granted) at once.
+    sends = books.set_policy(a, 2 * GIB, 3 * GIB, 500, 1.0)
+    assert reclaims(sends)[a].limit == 3 * GIB
+    record = books.pool(a)
+    assert record is not None
+    assert (record.kv_min, record.kv_max, record.priority) == (2 * GIB, 3 * GIB, 500)
+    assert books.view(1.0).gpus[0].kv_min == 3 * GIB  # a's 2 GiB and b's 1 GiB
+    # Raising b's minimum beyond what the GPU can still guarantee changes nothing.
+    free = books.view(1.0).gpus[0].free
+    with pytest.raises(ValueError, match="cannot guarantee"):
+        books.set_policy(b, GIB + free + PAGE, None, 100, 2.0)
+    record_b = books.pool(b)
+    assert record_b is not None and (record_b.kv_min, record_b.priority) == (GIB, 100)
+    with pytest.raises(ValueError, match="below the kv min"):
+        books.set_policy(b, 2 * GIB, GIB, 100, 2.0)
+    with pytest.raises(ValueError, match="priority"):
+        books.set_policy(b, GIB, None, 1001, 2.0)
+    books.check()
 
 
 def test_after_a_restart_nothing_is_granted_until_every_pool_re_declared() -> None:
@@ -428,7 +464,7 @@ def run_node(node: Node, ops: list[tuple[object, ...]]) -> None:
 
 
 def test_an_engine_that_skipped_its_turn_makes_the_broker_reclaim_room_for_its_weights() -> None:
-    books = Books([GPU], headroom=GIB)
+    books = Books([GPU], headroom=GIB, policy=FairShare())
     borrower = admit(books, "borrower", 10, static=0, kv_min=0)
     books.want(borrower, 1, 14 * GIB, 0.0)
     late = books.admit(hello("late", static=4 * GIB, kv_min=GIB), 11, 1.0)
@@ -440,7 +476,7 @@ def test_an_engine_that_skipped_its_turn_makes_the_broker_reclaim_room_for_its_w
 
 def test_a_reclaim_into_blocks_in_use_stands_until_the_pool_has_released_them() -> None:
     events = RecordingEvents()
-    books = Books([GPU], headroom=GIB, reclaim_deadline_s=5.0, events=events)
+    books = Books([GPU], headroom=GIB, reclaim_deadline_s=5.0, events=events, policy=FairShare())
     a = admit(books, "a", 10, priority=1)
     books.want(a, 1, 8 * GIB, 0.0)
     books.report(a, Report(mapped=GIB, used=GIB, cached=0, reserved=0), 0.0)
@@ -468,7 +504,7 @@ def in_use(books: Books, pod: str, pid: int, nbytes: int, **overrides: object) -
 
 
 def test_what_a_reclaimed_pool_already_released_goes_on_before_the_rest() -> None:
-    books = Books([GPU], headroom=GIB)  # budget 11 GiB
+    books = Books([GPU], headroom=GIB, policy=FairShare())  # budget 11 GiB
     a = in_use(books, "a", 10, 11 * GIB)
     b = admit(books, "b", 11, kv_min=0)
     asked = reclaims(books.want(b, 1, 11 * GIB, 1.0))[a]
@@ -506,7 +542,9 @@ def test_idle_lease_of_a_quiet_pool_goes_to_a_waiter_in_one_round() -> None:
 
 
 def test_idle_lease_is_taken_before_blocks_in_use_whatever_the_priorities() -> None:
-    books = Books([GPU], headroom=GIB)  # three pools with 2 GiB static: budget 9 GiB
+    books = Books(
+        [GPU], headroom=GIB, policy=FairShare()
+    )  # three pools with 2 GiB static: budget 9 GiB
     low = admit(books, "low", 10, kv_min=0, priority=10)
     books.want(low, 1, 4 * GIB, 0.0)
     books.report(low, Report(mapped=4 * GIB, used=4 * GIB, cached=0, reserved=0), 0.0)
@@ -533,7 +571,7 @@ def test_a_drain_reaches_the_minimum_even_with_blocks_in_use_above_it() -> None:
 
 
 def test_memory_in_use_above_a_fair_share_is_reclaimed_down_to_the_share() -> None:
-    books = Books([GPU], headroom=GIB)  # budget 11 GiB
+    books = Books([GPU], headroom=GIB, policy=FairShare())  # budget 11 GiB
     a = in_use(books, "a", 10, 11 * GIB)
     b = admit(books, "b", 11, kv_min=0)
     asked = reclaims(books.want(b, 1, 8 * GIB, 1.0))
@@ -618,3 +656,71 @@ def test_a_pending_reclaim_is_deepened_when_the_waiter_needs_more() -> None:
     granted = leases(ack(books, a, deeper, 2.0))
     assert granted[b] == 11 * GIB // 2
     books.check()
+
+
+def test_a_reclaim_nobody_needs_any_more_is_called_off() -> None:
+    books = Books([GPU], headroom=GIB, policy=FairShare())  # budget 11 GiB
+    a = in_use(books, "a", 10, 11 * GIB)
+    b = admit(books, "b", 11, kv_min=0)
+    asked = reclaims(books.want(b, 1, 8 * GIB, 1.0))[a]
+    assert asked.limit < 11 * GIB
+    # a's blocks are in use (say, long requests); before it releases them, b leaves.
+    sends = books.remove(b, "exited", 2.0)
+    assert leases(sends) == {a: 11 * GIB}  # it keeps what it holds, as its lease
+    record = books.pool(a)
+    assert record is not None and record.reclaim is None
+    # ... and may ask for more again instead of hearing "reclaiming" for good.
+    assert books.want(a, 2, 11 * GIB, 3.0)[0].message.reason == "granted"
+    books.check()
+
+
+GPU_1 = GpuInfo(uuid="GPU-test-1", index=1, name="test", total_bytes=16 * GIB)
+
+
+def rank_asks(group: str, rank: int, gpu: GpuInfo) -> TurnRequest:
+    return TurnRequest(seq=1, gpu=gpu.uuid, static=GIB, rank=rank, group=group, group_size=2)
+
+
+def granted(sends: list[Send]) -> set[int]:
+    return {s.key for s in sends if isinstance(s.message, TurnGranted)}
+
+
+def test_tensor_parallel_groups_get_their_turns_all_at_once_in_one_order() -> None:
+    books = Books([GPU, GPU_1], headroom=GIB)
+    # The order that deadlocks turns given per GPU: each group's first rank asks first,
+    # on the GPU the other group's second rank will want.
+    assert granted(books.turn_request(1, rank_asks("a", 0, GPU), 100, 0.0)) == set()
+    assert granted(books.turn_request(4, rank_asks("b", 1, GPU_1), 201, 0.0)) == set()
+    assert granted(books.turn_request(2, rank_asks("a", 1, GPU_1), 101, 0.0)) == {1, 2}
+    assert granted(books.turn_request(3, rank_asks("b", 0, GPU), 200, 0.0)) == set()
+    assert [gpu.turn_waiting for gpu in books.view(0.0).gpus] == [1, 1]
+    assert granted(books.turn_done(1, 1.0)) == set()  # group b needs both GPUs
+    assert granted(books.turn_done(2, 1.0)) == {3, 4}
+    books.check()
+
+
+def test_a_rank_that_leaves_breaks_its_group_and_its_peers_are_refused() -> None:
+    books = Books([GPU, GPU_1], headroom=GIB)
+    books.turn_request(1, rank_asks("a", 0, GPU), 100, 0.0)
+    refused = books.turn_done(1, 1.0)
+    assert refused == []  # the group had no other rank yet
+    books.turn_request(2, rank_asks("b", 0, GPU), 200, 0.0)
+    books.turn_request(3, rank_asks("b", 1, GPU_1), 201, 0.0)  # b complete and granted
+    books.turn_request(4, rank_asks("c", 0, GPU), 300, 0.0)
+    books.turn_request(5, rank_asks("c", 1, GPU_1), 301, 0.0)  # c queues behind b
+    refused = books.turn_done(5, 2.0)  # c's rank 1 dies while waiting
+    assert [(s.key, type(s.message)) for s in refused] == [(4, TurnRefused)]
+    assert "rank 1 of group c left" in refused[0].message.reason  # type: ignore[attr-defined]
+    assert [gpu.turn_waiting for gpu in books.view(2.0).gpus] == [0, 0]
+
+
+def test_a_group_asking_twice_for_a_rank_or_a_gpu_is_refused() -> None:
+    books = Books([GPU, GPU_1], headroom=GIB)
+    books.turn_request(1, rank_asks("a", 0, GPU), 100, 0.0)
+    (twice,) = books.turn_request(2, rank_asks("a", 0, GPU_1), 101, 0.0)
+    assert "rank 0 of group a has asked already" in twice.message.reason  # type: ignore[attr-defined]
+    (same_gpu,) = books.turn_request(3, rank_asks("a", 1, GPU), 102, 0.0)
+    assert "has a rank on GPU 0 already" in same_gpu.message.reason  # type: ignore[attr-defined]
+    bad = TurnRequest(seq=1, gpu=GPU.uuid, rank=2, group="d", group_size=2)
+    (refused,) = books.turn_request(4, bad, 103, 0.0)
+    assert "0 <= rank < group size" in refused.message.reason  # type: ignore[attr-defined]

@@ -26,7 +26,7 @@ def test_fake_gpus_are_declared_by_count_and_size_with_stable_uuids() -> None:
 @pytest.mark.parametrize(
     ("spec", "fragment"),
     [("", "expected COUNTxSIZE"), ("2xlots", "not a valid quantity"), ("0x8Gi", "1-64 GPUs"),
-     ("1x512Mi", "at least 1Gi"), ("65x8Gi", "1-64 GPUs")],
+     ("1x128Mi", "at least 256Mi"), ("65x8Gi", "1-64 GPUs")],
 )  # fmt: skip
 def test_a_bad_fake_inventory_says_what_is_wrong(spec: str, fragment: str) -> None:
     with pytest.raises(InventoryError, match="--fake-gpus") as info:

@@ -34,10 +34,19 @@ def test_the_virtual_size_is_kv_max(standalone: None) -> None:
     assert pools.virtual_kv_bytes("cuda:3") == 40 * 2**30
 
 
+def test_the_capacity_the_operator_sets_sizes_the_pool_above_kv_max(
+    standalone: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """kvCache.max can then be raised in place up to the capacity."""
+    monkeypatch.setenv("KVSHARE_KV_CAPACITY", "60Gi")
+    assert pools.virtual_kv_bytes("cpu") == 60 * 2**30
+
+
 def test_without_kv_max_a_host_pool_asks_for_it(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("KVSHARE_KV_MAX", raising=False)
     monkeypatch.delenv("KVSHARE_KV_LIMIT", raising=False)
-    with pytest.raises(EngineConfigError, match="set KVSHARE_KV_MAX"):
+    monkeypatch.delenv("KVSHARE_KV_CAPACITY", raising=False)
+    with pytest.raises(EngineConfigError, match="set KVSHARE_KV_CAPACITY"):
         pools.virtual_kv_bytes("cpu")
 
 
@@ -72,8 +81,8 @@ def test_a_failed_init_device_gives_the_turn_back(monkeypatch: pytest.MonkeyPatc
     events: list[str] = []
 
     @contextlib.contextmanager
-    def recording_turn(role: Role) -> Iterator[None]:
-        events.append(f"take {role.engine} rank {role.rank}/{role.world_size}")
+    def recording_turn(role: Role, group: str = "") -> Iterator[None]:
+        events.append(f"take {role.engine} rank {role.rank}/{role.world_size} of {group}")
         try:
             yield
         finally:
@@ -93,7 +102,7 @@ def test_a_failed_init_device_gives_the_turn_back(monkeypatch: pytest.MonkeyPatc
     worker = SimpleNamespace(vllm_config=config, local_rank=1)
     with pytest.raises(RuntimeError, match="no GPU"):
         vllm_common.taking_the_startup_turn(init_device)(worker)
-    assert events == ["take vllm rank 1/2", "init_device", "give back"]
+    assert events == ["take vllm rank 1/2 of vllm-abc-dp0", "init_device", "give back"]
 
 
 def test_vllm_groups_are_named_after_the_engine_instance() -> None:
@@ -107,3 +116,12 @@ def test_vllm_groups_are_named_after_the_engine_instance() -> None:
     config.parallel_config.pipeline_parallel_size = 2
     with pytest.raises(EngineConfigError, match="pipeline-parallel size 1"):
         vllm_common.group_of(config)
+
+
+def test_standalone_a_worker_is_granted_its_static_footprint_and_fixed_limit(
+    standalone: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KVSHARE_STATIC_BYTES", "12Gi")
+    monkeypatch.setenv("KVSHARE_KV_LIMIT", "8Gi")
+    monkeypatch.setenv("KVSHARE_KV_MIN", "1Gi")  # the broker's guarantee: not used standalone
+    assert pools.startup_budget() == 20 * 2**30

@@ -34,6 +34,7 @@ PODS = "v1/pods"
 SERVICES = "v1/services"
 NODES = "v1/nodes"
 EVENTS = "v1/events"
+QUOTAS = "v1/resourcequotas"
 NAMESPACE = "llm"
 #: Generous: the suite must pass on a loaded 2-core machine.
 TIMEOUT = 60.0
@@ -105,10 +106,28 @@ class Cluster:
         return dict(await self._send("POST", _path(resource, namespace), body))
 
     async def patch(
-        self, resource: str, namespace: str | None, name: str, body: Any, *, status: bool = False
+        self,
+        resource: str,
+        namespace: str | None,
+        name: str,
+        body: Any,
+        *,
+        status: bool = False,
+        subresource: str | None = None,
     ) -> dict[str, Any]:
-        path = _path(resource, namespace, name) + ("/status" if status else "")
+        subresource = "status" if status else subresource
+        path = _path(resource, namespace, name) + (f"/{subresource}" if subresource else "")
         return dict(await self._send("PATCH", path, body))
+
+    async def scale(self, name: str, namespace: str = NAMESPACE) -> dict[str, Any]:
+        """GET a ModelServer's Scale, as an autoscaler reads it."""
+        return dict(await self._send("GET", _path(MS, namespace, name) + "/scale"))
+
+    async def replace_scale(
+        self, name: str, scale: dict[str, Any], namespace: str = NAMESPACE
+    ) -> dict[str, Any]:
+        """PUT a ModelServer's Scale, as the HorizontalPodAutoscaler writes it."""
+        return dict(await self._send("PUT", _path(MS, namespace, name) + "/scale", scale))
 
     async def delete(self, resource: str, namespace: str | None, name: str) -> None:
         await self._send("DELETE", _path(resource, namespace, name))

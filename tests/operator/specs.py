@@ -64,7 +64,10 @@ def pod(
     phase: str = "Running",
     terminating: bool = False,
     namespace: str = NAMESPACE,
+    gpu_memory_units: int | None = None,
 ) -> PodView:
+    """A replica pod; its GPU-memory request covers ``per_gpu`` on each of its GPUs unless
+    ``gpu_memory_units`` says otherwise."""
     return PodView(
         namespace=namespace,
         name=f"{ms}-{replica}",
@@ -75,6 +78,9 @@ def pod(
         node=node,
         gpus=gpus,
         per_gpu_bytes=per_gpu,
+        gpu_memory_units=(
+            gpu_memory_units if gpu_memory_units is not None else len(gpus) * -(-per_gpu // GIB)
+        ),
         phase=phase,
         ready=ready,
         terminating=terminating,

@@ -50,6 +50,18 @@ def test_each_modelserver_has_one_phase_set_and_its_replicas_and_kv() -> None:
     assert sum(counts.values()) == 2.0
 
 
+def test_kv_pressure_is_demand_over_lease_and_names_a_starved_modelserver() -> None:
+    metrics = OperatorMetrics()
+    # qwen's workers hold 10 GiB in live blocks and ask for 30 GiB; the brokers lease 20.
+    starved = KVUsage(min=8 * GIB, lease=20 * GIB, mapped=20 * GIB, used=10 * GIB, demand=30 * GIB)
+    idle = KVUsage(min=4 * GIB, lease=8 * GIB, mapped=8 * GIB, used=2 * GIB, demand=4 * GIB)
+    metrics.observe(("llm", "qwen"), ModelServerSample("Ready", desired=2, ready=2, kv=starved))
+    metrics.observe(("team-b", "big"), ModelServerSample("Ready", desired=1, ready=1, kv=idle))
+    assert of(metrics, "kvshare_modelserver_kv_demand_bytes") == {QWEN: 30 * GIB, BIG: 4 * GIB}
+    assert of(metrics, "kvshare_modelserver_kv_pressure_ratio") == {QWEN: 1.5, BIG: 0.5}
+    assert KVUsage().pressure() == 0.0
+
+
 def test_a_new_phase_moves_the_one_and_a_failed_reconcile_keeps_the_counts() -> None:
     metrics = OperatorMetrics()
     metrics.observe(("llm", "qwen"), ModelServerSample("Starting", desired=2, ready=1))

@@ -92,6 +92,7 @@ def test_the_registry_has_the_operator_metrics() -> None:
         "kvshare_modelserver_replicas",
         "kvshare_modelserver_ready_replicas",
         "kvshare_modelserver_kv_used_bytes",
+        "kvshare_modelserver_kv_pressure_ratio",
     } <= names_
 
 

@@ -129,6 +129,7 @@ async def test_ready_pods_make_it_ready_and_kv_usage_comes_from_the_node_agent(
                 static=18 * GIB,
                 kv_min=4 * GIB,
                 lease=10 * GIB,
+                want=12 * GIB,
                 mapped=6 * GIB,
                 used=3 * GIB,
             )
@@ -141,7 +142,7 @@ async def test_ready_pods_make_it_ready_and_kv_usage_comes_from_the_node_agent(
         ),
         "KV usage in the status",
     )
-    assert kv == {"min": "8Gi", "lease": "20Gi", "mapped": "12Gi", "used": "6Gi"}
+    assert kv == {"min": "8Gi", "lease": "20Gi", "mapped": "12Gi", "used": "6Gi", "demand": "24Gi"}
     assert (await metric(process, "kvshare_modelservers"))['{phase="Ready"}'] == 1.0
     qwen = '{modelserver="qwen",namespace="llm"}'
     assert (await metric(process, "kvshare_modelserver_status_phase"))[
@@ -150,6 +151,8 @@ async def test_ready_pods_make_it_ready_and_kv_usage_comes_from_the_node_agent(
     assert (await metric(process, "kvshare_modelserver_replicas")) == {qwen: 2.0}
     assert (await metric(process, "kvshare_modelserver_ready_replicas")) == {qwen: 2.0}
     assert (await metric(process, "kvshare_modelserver_kv_lease_bytes")) == {qwen: 20.0 * GIB}
+    # The workers ask for 24 GiB and are lent 20: the pressure autoscalers scale out on.
+    assert (await metric(process, "kvshare_modelserver_kv_pressure_ratio")) == {qwen: 1.2}
     assert (await metric(process, "kvshare_operator_placements_total"))['{result="placed"}'] == 2.0
 
 

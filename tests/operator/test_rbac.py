@@ -31,7 +31,7 @@ def test_rules_are_clusterrole_rules() -> None:
     assert {
         "apiGroups": [""],
         "resources": ["pods"],
-        "verbs": ["list", "watch", "create", "delete"],
+        "verbs": ["list", "watch", "create", "delete", "patch"],
     } in rules
     # Least privilege: nothing writes ModelServer specs, KVShareNodes or Nodes.
     writes = {"create", "update", "patch", "delete"}

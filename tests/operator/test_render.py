@@ -83,6 +83,8 @@ def test_pod_is_pinned_to_its_node_by_required_affinity_and_names_its_gpus() -> 
     assert pod["metadata"]["annotations"] == {
         names.ANNOTATION_NODE: "gpu-node-3",
         names.ANNOTATION_GPUS: "GPU-3a,GPU-3b",
+        # The KV policy, which the node agent applies in place when it changes.
+        names.ANNOTATION_KV_POLICY: '{"max":"40Gi","min":"4Gi","priority":200}',
     }
 
 
@@ -204,6 +206,7 @@ def test_pull_secrets_service_account_labels_and_annotations_reach_the_pod() -> 
         "sidecar.istio.io/inject": "false",
         names.ANNOTATION_NODE: "gpu-node-3",
         names.ANNOTATION_GPUS: "GPU-3a,GPU-3b",
+        names.ANNOTATION_KV_POLICY: '{"max":"40Gi","min":"4Gi","priority":200}',
     }
     view = pod_view({**pod, "metadata": {**pod["metadata"], "uid": "u-2"}})
     assert view is not None and (view.replica, view.node) == (2, "gpu-node-3")
@@ -257,7 +260,8 @@ def test_template_hash_follows_what_shapes_the_pod_and_only_that() -> None:
     base = template_hash(parsed())
     assert template_hash(parsed()) == base
     assert template_hash(parsed(image="vllm/vllm-openai:v0.33.1")) != base
-    assert template_hash(parsed(kvCache={"min": "8Gi", "max": "40Gi", "priority": 200})) != base
+    # The KV policy reaches running replicas in place: it never rolls them.
+    assert template_hash(parsed(kvCache={"min": "5Gi", "max": "80Gi", "priority": 900})) == base
     # Placement-only fields never replace a running replica.
     assert template_hash(parsed(replicas=5, nodeSelector={"zone": "a"})) == base
     assert template_hash(parsed(placementPolicy="Spread", avoidColocationWith=["x"])) == base

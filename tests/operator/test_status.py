@@ -128,13 +128,21 @@ def test_kv_usage_sums_the_pools() -> None:
             lease=10 * GIB,
             mapped=8 * GIB,
             used=6 * GIB,
+            want=10 * GIB,
         ),
         PoolStatus(
             namespace="llm", pod="qwen-1", kv_min=4 * GIB, lease=2 * GIB, mapped=2 * GIB, used=GIB
         ),
     ]
     usage = kv_usage(pools)
-    assert usage.to_wire() == {"min": "8Gi", "lease": "12Gi", "mapped": "10Gi", "used": "7Gi"}
+    assert usage.to_wire() == {
+        "min": "8Gi",
+        "lease": "12Gi",
+        "mapped": "10Gi",
+        "used": "7Gi",
+        # What each asks for or holds in live blocks, whichever is more.
+        "demand": "11Gi",
+    }
     result = status(Observation(generation=1, desired=0, plan=Plan(), kv=usage))
     assert result["kv"]["used"] == "7Gi"
 

@@ -16,8 +16,10 @@ from pathlib import Path
 
 import pytest
 
+from kvshare.api.kvpolicy import revision
 from kvshare.deviceplugin.broker import Broker, BrokerConfig
 from kvshare.deviceplugin.inventory import parse_fake_gpus
+from kvshare.deviceplugin.pod_policies import PodPolicy
 from kvshare.runtime.broker_client import (
     AdmissionRefusedError,
     BrokerLease,
@@ -121,6 +123,35 @@ def test_a_pool_is_admitted_with_its_minimum_and_grows_in_chunks(
     finally:
         lease.close()
     wait_until(lambda: not broker.view().pools)  # the goodbye returned the lease
+
+
+@pytest.mark.parametrize(("capacity", "grown"), [(6 * GIB, 4 * GIB), (None, 2 * GIB)])
+def test_a_max_raised_in_place_lets_the_pool_grow_into_what_it_asked(
+    broker: Broker, run_dir: Path, capacity: int | None, grown: int
+) -> None:
+    """A pool asks up to its capacity (its virtual size), the broker caps it at the kv max
+    in force; raised in place (as its pod's annotation does), the pool gets what it asked
+    without asking again. Without a capacity it never asks beyond its first max."""
+    lease = BrokerLease(
+        GPU.uuid,
+        policy=PoolPolicy(kv_min=GIB, kv_max=2 * GIB, capacity=capacity),
+        identity=PoolIdentity(
+            namespace="llm", pod="qwen-0", pod_uid="0f8fad5b-d9cb-469f-a165-70867728950e"
+        ),
+        socket_path=str(run_dir / "broker.sock"),
+    )
+    holder = Holder()
+    holder.lease = lease
+    lease.attach(holder)
+    try:
+        lease.want(4 * GIB)
+        wait_until(lambda: lease.limit() == 2 * GIB)
+        raised = PodPolicy(revision=revision(GIB, 5 * GIB, 100), kv_min=GIB, kv_max=5 * GIB)
+        broker.set_pod_policy("0f8fad5b-d9cb-469f-a165-70867728950e", raised)
+        wait_until(lambda: broker.view().pools[0].kv_max == 5 * GIB)
+        wait_until(lambda: lease.limit() == grown)
+    finally:
+        lease.close()
 
 
 def grant_steps(lease: BrokerLease, wants: int) -> list[int]:

@@ -101,6 +101,19 @@ class RecordingDriver:
     def mem_unmap(self, address: int, size: int) -> None:
         self._record("mem_unmap")
 
+    def event_create(self) -> str:
+        self._record("event_create")
+        return f"event-{next(self._handles)}"
+
+    def event_record(self, event: str, stream: int) -> None:
+        self._record(f"event_record {event} on stream {stream}")
+
+    def event_synchronize(self, event: str) -> None:
+        self._record(f"event_synchronize {event}")
+
+    def event_destroy(self, event: str) -> None:
+        self._record(f"event_destroy {event}")
+
     def mem_get_info(self) -> tuple[int, int]:
         current = self._record("mem_get_info")
         assert current is not None, "cuMemGetInfo with no current context"
@@ -171,3 +184,31 @@ def test_a_failing_driver_call_still_restores_the_callers_context() -> None:
     assert driver.current() == "ctx-0"
     assert driver.stacks[threading.get_ident()] == ["ctx-0"]
     backend.close()
+
+
+def test_an_unmap_waits_for_the_fence_events_of_the_engine_streams_on_its_own_device() -> None:
+    driver = RecordingDriver()
+    driver.make_current("ctx-0")
+    geometry = KVGeometry(
+        num_buffers=2, block_bytes=256 * 1024, num_blocks=64, page_size=GRANULARITY
+    )
+    backend = CudaBackend(1, driver=driver)  # type: ignore[arg-type]
+    pool = KVPool(geometry, backend, StaticLease(8 * geometry.page_bytes), reserve_pages=0)
+    ids = pool.alloc(9)  # page 0 and page 1
+    assert ids
+    backend.record_fence((7, 9))  # a step launched on the engine's two streams
+    backend.record_fence((7, 9))  # and the next one: the same events, recorded again
+    pool.free(ids)
+    driver.calls.clear()
+    worker = threading.Thread(target=pool.maintain)  # as the pool's own thread does
+    worker.start()
+    worker.join()
+    calls = [(call, current) for call, current, _ in driver.calls]
+    waits = [i for i, (call, _) in enumerate(calls) if call.startswith("event_synchronize")]
+    unmaps = [i for i, (call, _) in enumerate(calls) if call == "mem_unmap"]
+    assert unmaps and len(waits) == 2 and max(waits) < min(unmaps), calls
+    assert all(current == "ctx-1" for _, current in calls), calls
+    pool.close()
+    events = {call.split()[1] for call, _, _ in driver.calls if call.startswith("event_destroy")}
+    assert len(events) == 2  # one event per stream, destroyed with the backend
+    assert driver.current() == "ctx-0"

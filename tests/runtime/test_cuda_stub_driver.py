@@ -171,3 +171,72 @@ def test_a_full_device_refuses_pages_and_a_pool_cannot_start(tmp_path: Path) -> 
     assert result["device5"] == (
         "CUDA device 5 is not usable: cuDeviceGet failed: CUDA_ERROR_INVALID_DEVICE"
     )
+
+
+AUTO_CHILD = r"""
+import json
+from kvshare.runtime.backends import open_backend
+from kvshare.runtime.errors import BackendUnavailableError
+
+try:
+    backend = open_backend("auto")
+except BackendUnavailableError as exc:
+    print(json.dumps({"refused": str(exc)}))
+else:
+    print(json.dumps({"backend": backend.name}))
+"""
+
+
+def run_auto(environ: dict[str, str]) -> dict[str, str]:
+    done = subprocess.run(
+        [sys.executable, "-c", AUTO_CHILD],
+        cwd=ROOT,
+        env=environ,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result: dict[str, str] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
+def gpu_container(**extra: str) -> dict[str, str]:
+    """The environment of a container the device plugin gave a GPU (no KVSHARE_BACKEND)."""
+    environ = {k: v for k, v in os.environ.items() if k != "KVSHARE_BACKEND"}
+    environ.update({"KVSHARE_GPU_UUIDS": "GPU-1111", "CUDA_VISIBLE_DEVICES": "0", **extra})
+    return environ
+
+
+def test_auto_refuses_host_memory_where_an_older_cuda_package_shadows_cuda_python(
+    tmp_path: Path,
+) -> None:
+    shadow = tmp_path / "site" / "cuda"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text('__version__ = "11.8.0"\n')  # cuda-python 11's layout
+    environ = gpu_container(PYTHONPATH=os.pathsep.join([str(tmp_path / "site"), str(ROOT / "src")]))
+    refusal = run_auto(environ)["refused"]
+    assert "this container has GPUs (KVSHARE_GPU_UUIDS=GPU-1111; CUDA_VISIBLE_DEVICES=0)" in refusal
+    assert "cuda-python is not installed" in refusal  # why the cuda backend cannot start
+    assert f"module cuda from {shadow} without cuda.bindings" in refusal  # what was found
+    assert "cuda-python 13." in refusal and "cuda-bindings 13." in refusal  # which versions
+    assert "set KVSHARE_BACKEND=host" in refusal
+
+
+@needs_gcc
+def test_auto_refuses_host_memory_where_the_driver_cannot_start(tmp_path: Path) -> None:
+    stub = build_stub(tmp_path / "nodevice")
+    refusal = run_auto(gpu_container(LD_LIBRARY_PATH=str(stub)))["refused"]
+    assert "cuInit failed: CUDA_ERROR_NO_DEVICE" in refusal
+    assert "driver for CUDA 13.0" in refusal  # the driver's own version, asked of libcuda
+
+
+@pytest.mark.skipif(
+    ctypes.util.find_library("cuda") is not None, reason="a CUDA driver is installed"
+)
+def test_auto_takes_host_memory_only_where_no_gpu_is_there() -> None:
+    environ = gpu_container(CUDA_VISIBLE_DEVICES="")
+    del environ["KVSHARE_GPU_UUIDS"]
+    assert run_auto(environ) == {"backend": "host"}
+    assert "refused" in run_auto(gpu_container())  # the same machine, a GPU allocated

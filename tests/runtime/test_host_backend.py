@@ -7,6 +7,7 @@ its memory back, and every address outside a reservation is refused before any s
 from __future__ import annotations
 
 import mmap
+import threading
 from collections.abc import Iterator
 
 import pytest
@@ -119,3 +120,25 @@ def test_open_backend_host_and_unknown_kinds() -> None:
         backend.close()
     with pytest.raises(ValueError, match="unknown backend 'tpu'"):
         open_backend("tpu")  # type: ignore[arg-type]
+
+
+def test_the_host_stream_runs_work_in_order_and_a_fence_waits_for_marked_work_only() -> None:
+    backend = HostBackend()
+    first, second = threading.Event(), threading.Event()
+    ran: list[str] = []
+    try:
+        backend.launch(lambda: (first.wait(10), ran.append("first")))
+        backend.record_fence()  # the step that launched "first"
+        backend.launch(lambda: (second.wait(10), ran.append("second")))
+        waiter = threading.Thread(target=backend.wait_fence)
+        waiter.start()
+        waiter.join(0.2)
+        assert waiter.is_alive(), "the fence passed while the marked work was still running"
+        first.set()
+        waiter.join(10)
+        assert not waiter.is_alive() and ran == ["first"]  # "second" was launched after
+    finally:
+        first.set()
+        second.set()
+        backend.close()
+    assert ran == ["first", "second"]

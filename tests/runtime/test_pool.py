@@ -381,3 +381,12 @@ def test_an_engine_short_of_blocks_makes_the_pool_ask_for_lease_without_an_alloc
     lease.set_limit(PAGE_BYTES)  # a reclaim: shrinking, the pool asks for nothing
     pool.short_of(20)
     assert lease.wants == [4 * PAGE_BYTES]
+
+
+def test_a_blocks_address_is_where_its_tensor_view_keeps_it(make_pool: PoolFactory) -> None:
+    pool = make_pool(GEOMETRY, StaticLease(4 * PAGE_BYTES))
+    (block,) = pool.alloc(1)  # type: ignore[misc]
+    view = pool.tensor(2)[0]
+    assert pool.block_address(2, block) == view[block].data_ptr()
+    with pytest.raises(ValueError, match="outside the pool's 256 blocks"):
+        pool.block_address(0, 256)

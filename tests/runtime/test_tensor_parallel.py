@@ -155,9 +155,11 @@ def start_ranks(
         assert rank.expect() == "ready"
 
 
-def owner_pool(namespace: str, world_size: int, timeout_s: float = TIMEOUT) -> KVPool:
+def owner_pool(
+    namespace: str, world_size: int, timeout_s: float = TIMEOUT, reserve_pages: int = 2
+) -> KVPool:
     ownership = CoordinatedOwnership("g1", world_size, namespace=namespace, timeout_s=timeout_s)
-    return KVPool(GEOMETRY, None, ownership.group_lease(), ownership, reserve_pages=2)
+    return KVPool(GEOMETRY, None, ownership.group_lease(), ownership, reserve_pages=reserve_pages)
 
 
 def test_local_ranks_map_their_own_null_page_once_and_send_nothing(namespace: str) -> None:
@@ -316,3 +318,31 @@ def test_an_owner_with_another_geometry_or_size_is_refused(
     with pytest.raises(PoolError, match="differs from this rank's"):
         KVPool(other, None, ownership.group_lease(), ownership)
     ownership.close()
+
+
+def test_every_rank_keeps_a_freed_page_mapped_until_its_own_device_work_is_done(
+    ranks: list[RankProcess], namespace: str
+) -> None:
+    start_ranks(ranks, namespace, world_size=2)
+    pool = owner_pool(namespace, 2, reserve_pages=0)
+    try:
+        per_page = GEOMETRY.page_size // GEOMETRY.block_bytes
+        ids = pool.alloc(2 * per_page)  # page 0 (with the null block) and page 1
+        assert ids
+        block = max(ids)
+        page = GEOMETRY.page_of(block)
+        assert page != 0
+        assert ranks[1].ask(f"launch {block}") == {"launched": block}  # still reads it
+        pool.free([b for b in ids if GEOMETRY.page_of(b) == page])
+        ranks[0].ask(f"lower {1 * PAGE_BYTES}")  # the broker reclaims: the pool's thread acts
+        deadline = time.monotonic() + TIMEOUT
+        while page in ranks[0].ask("state")["mapped"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert page not in ranks[0].ask("state")["mapped"]  # nothing in flight on rank 0
+        assert page in ranks[1].ask("state")["mapped"], "unmapped under rank 1's work"
+        assert ranks[1].ask("finish") == {"read": 2}  # no fault, no stale read
+        while page in ranks[1].ask("state")["mapped"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert page not in ranks[1].ask("state")["mapped"]
+    finally:
+        pool.close()

@@ -9,7 +9,9 @@ host backend), prints ``ready``, then answers commands on stdin, one JSON line e
 engine's tensor view — only while the owner is idle, as an engine touches its KV cache only
 when its scheduler runs it), ``state`` (the mapped pages, untouched), ``lower BYTES`` (this
 rank's lease is reclaimed), ``reports`` (how many usage reports its lease got, and the
-lease in force in the last), ``exit``.
+lease in force in the last), ``launch BLOCK`` (a step launched on this rank's device: work
+on the backend's stream that reads the block once let run, and the device fence marked, as
+the engine's hook marks it), ``finish`` (let it run; answers what it read), ``exit``.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import argparse
 import json
 import os
 import sys
+import threading
 from collections import Counter
 
 from kvshare.runtime.backends.host import HostBackend
@@ -104,6 +107,21 @@ def dump(server: RankServer, backend: CountingHostBackend) -> dict[str, object]:
     }
 
 
+class Step:
+    """Device work of one step, reading a block of buffer 0 once the test lets it run."""
+
+    def __init__(self, server: RankServer, block: int) -> None:
+        self.view = server.tensor(0)[0, block]
+        self.gate = threading.Event()
+        self.done = threading.Event()
+        self.read: int | None = None
+
+    def __call__(self) -> None:
+        self.gate.wait()
+        self.read = int(self.view[0])
+        self.done.set()
+
+
 def run_coordinated(args: argparse.Namespace) -> None:
     backend = CountingHostBackend()
     lease = MovableLease(args.limit_pages * GEOMETRY.page_bytes)
@@ -117,9 +135,20 @@ def run_coordinated(args: argparse.Namespace) -> None:
         namespace=args.namespace,
     )
     print("ready", flush=True)
+    step: Step | None = None
     for line in sys.stdin:
         command, *rest = line.split()
-        if command == "dump":
+        if command == "launch":
+            step = Step(server, int(rest[0]))
+            step.view[0] = server.rank + 1  # what the step's attention is to read
+            backend.launch(step)
+            backend.record_fence()
+            print(json.dumps({"launched": int(rest[0])}), flush=True)
+        elif command == "finish" and step is not None:
+            step.gate.set()
+            step.done.wait()
+            print(json.dumps({"read": step.read}), flush=True)
+        elif command == "dump":
             print(json.dumps(dump(server, backend)), flush=True)
         elif command == "state":
             print(json.dumps({"mapped": sorted(server.mapped_pages())}), flush=True)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from kvshare.demo.orchestrator import broker_books
+from kvshare.demo.node_agent import broker_books
 from kvshare.demo.serving.client import Completion, MetricSample, labels_of, post, scrape, total
 from kvshare.demo.serving.vllm_server import VllmServer
 from kvshare.deviceplugin.views import PoolView

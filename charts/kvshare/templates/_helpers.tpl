@@ -71,3 +71,10 @@ capabilities:
 seccompProfile:
   type: RuntimeDefault
 {{- end }}
+
+{{/* The node agent's configuration file: the defaults and the named configurations. */}}
+{{- define "kvshare.nodeAgent.configs" -}}
+{{- $agent := .Values.nodeAgent }}
+{{- $default := dict "slotsPerGpu" $agent.slotsPerGpu "headroom" $agent.headroom "reclaimDeadlineSeconds" $agent.reclaimDeadlineSeconds "fakeGpus" $agent.fakeGpus }}
+{{- toYaml (dict "default" $default "configs" $agent.configs) }}
+{{- end }}

@@ -84,6 +84,8 @@ class _Kind:
     status: type[BaseModel]
     columns: tuple[tuple[str, str, str, str], ...]  # name, type, jsonPath, description
     description: str
+    scale: dict[str, str] | None = None
+    """The scale subresource's paths (``kubectl scale``, HorizontalPodAutoscaler, KEDA)."""
 
 
 _KINDS = (
@@ -105,6 +107,11 @@ _KINDS = (
             ("Age", "date", ".metadata.creationTimestamp", ""),
         ),
         description="A model served by vLLM or SGLang on GPUs shared elastically by kvshare.",
+        scale={
+            "specReplicasPath": ".spec.replicas",
+            "statusReplicasPath": ".status.replicas",
+            "labelSelectorPath": ".status.selector",
+        },
     ),
     _Kind(
         kind=names.KVSHARENODE_KIND,
@@ -119,6 +126,7 @@ _KINDS = (
             ("Pools", "integer", ".status.poolCount", "KV pools on the node"),
             ("Free", "string", ".status.free", "Memory placement may still commit"),
             ("Backend", "string", ".status.backend", "cuda, or host for fake GPUs"),
+            ("Config", "string", ".status.nodeConfig", "Node-agent configuration it runs"),
             ("Age", "date", ".metadata.creationTimestamp", ""),
         ),
         description="GPU capacity and KV pools of one node, published by its kvshare node agent.",
@@ -168,7 +176,10 @@ def _crd(kind: _Kind) -> dict[str, Any]:
                     "name": names.VERSION,
                     "served": True,
                     "storage": True,
-                    "subresources": {"status": {}},
+                    "subresources": {
+                        "status": {},
+                        **({"scale": dict(kind.scale)} if kind.scale else {}),
+                    },
                     "additionalPrinterColumns": columns,
                     "schema": {"openAPIV3Schema": schema},
                 }

@@ -113,7 +113,8 @@ ENABLE = EnvVar(
 BACKEND = EnvVar(
     "KVSHARE_BACKEND",
     "auto",
-    "virtual-memory backend of the KV pool: cuda, host, or auto (cuda when a driver answers)",
+    "virtual-memory backend of the KV pool: cuda, host, or auto (cuda when a driver answers; "
+    "host only where the container has no GPU, else start-up stops naming what it found)",
     _choice("auto", "cuda", "host"),
     "runtime",
 )
@@ -135,6 +136,15 @@ KV_MAX = EnvVar(
     "KVSHARE_KV_MAX",
     None,
     "cap on this worker's KV cache bytes (kvCache.max); unset = the pool's virtual size",
+    _bytes,
+    "runtime",
+)
+KV_CAPACITY = EnvVar(
+    "KVSHARE_KV_CAPACITY",
+    None,
+    "largest KV cache (bytes) this worker can grow to without a restart: the pool's virtual "
+    "size, up to which kvCache.max can be raised in place (set by the operator from the "
+    "GPU); unset = KVSHARE_KV_MAX, else the device's memory less the static footprint",
     _bytes,
     "runtime",
 )
@@ -233,6 +243,7 @@ ALL: tuple[EnvVar[object], ...] = (
     BROKER_SOCKET,
     KV_MIN,
     KV_MAX,
+    KV_CAPACITY,
     KV_PRIORITY,
     KV_LIMIT,
     STATIC_BYTES,
@@ -256,6 +267,15 @@ def configured(environ: Mapping[str, str] | None = None) -> dict[str, str]:
     hands on to a child that must see the same kvshare settings."""
     source = os.environ if environ is None else environ
     return {var.name: source[var.name] for var in ALL if source.get(var.name)}
+
+
+def cuda_visible_devices() -> str | None:
+    """``CUDA_VISIBLE_DEVICES`` as the container runtime or the user set it (never kvshare).
+
+    Read only to tell a GPU container from a CPU one; not one of kvshare's settings, so it
+    is not in :data:`ALL`.
+    """
+    return os.environ.get("CUDA_VISIBLE_DEVICES")
 
 
 def markdown_table() -> str:

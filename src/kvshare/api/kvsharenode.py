@@ -17,7 +17,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from kvshare.api.kube import ByteQuantity, KubeModel
+from kvshare.api.kube import ByteQuantity, Condition, KubeModel
 
 __all__ = ["GpuStatus", "KVShareNodeSpec", "KVShareNodeStatus", "PoolStatus"]
 
@@ -47,12 +47,21 @@ class PoolStatus(KubeModel):
     """KV cap, when set."""
     lease: ByteQuantity = 0
     """KV bytes the broker currently lets it map."""
+    want: ByteQuantity = 0
+    """KV bytes the worker asks for (at least its minimum, at most its max)."""
     mapped: ByteQuantity = 0
     """KV bytes physically mapped."""
     used: ByteQuantity = 0
     """KV bytes holding live blocks."""
     over_lease: bool = False
     """The device shows more memory for this pool than its lease plus one page."""
+    policy: str = Field(default="", max_length=16)
+    """Revision of the KV policy (min, max, priority) the pool runs under."""
+    policy_refused: str = Field(default="", max_length=16)
+    """Revision of the policy its pod's kvshare.io/kv-policy annotation asks for, when the
+    node agent could not apply it in place (the pool keeps the one it runs)."""
+    policy_message: str = Field(default="", max_length=512)
+    """Why the pod's annotated policy is not applied."""
 
 
 class GpuStatus(KubeModel):
@@ -116,3 +125,8 @@ class KVShareNodeStatus(KubeModel):
     """Sum of the GPUs' free bytes, for `kubectl get`."""
     gpus: list[GpuStatus] = Field(default=[], max_length=64)
     """One entry per GPU."""
+    node_config: str | None = Field(default=None, max_length=63)
+    """The named node-agent configuration this node runs (chosen by its label)."""
+    conditions: list[Condition] = Field(default=[], max_length=8)
+    """NodeConfigApplied (False: the label names no configuration) and
+    NvidiaDevicePluginConflict (True: NVIDIA's device plugin hands out these GPUs too)."""

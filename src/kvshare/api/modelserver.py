@@ -498,6 +498,12 @@ class ReplicaPlacement(KubeModel):
     """Node the pod is pinned to."""
     gpus: list[str] = Field(default=[], max_length=8)
     """UUIDs of the replica's GPUs, in rank order."""
+    kv_policy: Literal["Applied", "Pending", "Refused"] | None = None
+    """Whether the replica runs the current kvCache (changed in place, without a restart):
+    Applied, Pending, or Refused by its node (the replica is then replaced); unset until
+    its pools are reported."""
+    kv_policy_message: str | None = Field(default=None, max_length=512)
+    """Why the replica does not run the current kvCache yet."""
 
 
 class KVUsage(KubeModel):
@@ -511,6 +517,16 @@ class KVUsage(KubeModel):
     """Sum of physically mapped KV bytes."""
     used: ByteQuantity = 0
     """Sum of KV bytes holding live blocks."""
+    demand: ByteQuantity = 0
+    """Sum of what the workers need: the KV bytes each asks for or holds in live blocks,
+    whichever is more (above lease: the brokers cannot give them all they ask)."""
+
+    def pressure(self) -> float:
+        """KV demand over KV lease: near 1 the caches are full, above 1 the workers wait
+        for memory the brokers cannot lend them (the signal to scale out on)."""
+        if not self.lease:
+            return 1.0 if self.demand else 0.0
+        return self.demand / self.lease
 
 
 class ModelServerStatus(KubeModel):
@@ -534,3 +550,5 @@ class ModelServerStatus(KubeModel):
     """KV-cache memory in use, aggregated from KVShareNodes."""
     endpoint: str | None = None
     """URL of the ModelServer's Service."""
+    selector: str | None = Field(default=None, max_length=1024)
+    """Label selector of the replica pods (the scale subresource's, for autoscalers)."""

@@ -52,6 +52,9 @@ LABEL_INJECT: Final = f"{GROUP}/inject"
 ANNOTATION_GPUS: Final = f"{GROUP}/gpus"
 #: The node a replica was planned onto (also set as spec.nodeName).
 ANNOTATION_NODE: Final = f"{GROUP}/node"
+#: The KV-cache policy (kvCache min, max, priority) a pod's pools run under, changed in
+#: place by the operator; the node agent applies it to the pod's pools (kvpolicy.py).
+ANNOTATION_KV_POLICY: Final = f"{GROUP}/kv-policy"
 
 # --- node agent ------------------------------------------------------------------
 #: Directory the node agent shares with model-server pods (broker socket).

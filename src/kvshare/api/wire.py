@@ -64,6 +64,7 @@ __all__ = [
     "Codec",
     "FrameReader",
     "GpuId",
+    "GroupName",
     "Hello",
     "LabelValue",
     "Lease",
@@ -188,6 +189,16 @@ Uid = Annotated[
         "a Kubernetes UID (a UUID such as 0f8fad5b-d9cb-469f-a165-70867728950e)",
         36,
         _syntax(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"),
+        optional=True,
+    ),
+]
+#: A tensor-parallel group's name, as the runtime makes it (``<pod uid>/<engine group>``).
+GroupName = Annotated[
+    str,
+    Syntax(
+        "a start-up group name (letters, digits and '-', '_', '.', '/', at most 128)",
+        128,
+        _syntax(r"[A-Za-z0-9][-A-Za-z0-9_./]*"),
         optional=True,
     ),
 ]
@@ -350,7 +361,11 @@ class Reclaim(Message):
 
 @dataclass(frozen=True, slots=True)
 class TurnRequest(Message):
-    """Ask for the GPU's start-up turn, with room for ``static`` + ``kv_min`` bytes."""
+    """Ask for the GPU's start-up turn, with room for ``static`` + ``kv_min`` bytes.
+
+    The ranks of a tensor-parallel group (``group``, ``group_size`` > 1, each with its own
+    ``rank`` and GPU) get their turns together, once every rank has asked.
+    """
 
     TYPE: ClassVar[str] = "turn-request"
     seq: int
@@ -359,6 +374,8 @@ class TurnRequest(Message):
     kv_min: int = 0
     pod_uid: Uid = ""
     rank: int = 0
+    group: GroupName = ""
+    group_size: int = 1
 
 
 @dataclass(frozen=True, slots=True)

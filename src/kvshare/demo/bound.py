@@ -3,8 +3,9 @@
 The real run moves real memory through real pools and the broker, so how much elastic
 sharing gains on a trace mixes two things: what the trace leaves to gain, and how much of
 that kvshare gets. :func:`sharing_bound` separates them. It runs the same scheduler
-(:class:`~kvshare.demo.engine_sim.EngineSim`) for every model of the trace, step by step
-in lockstep, with no memory behind the blocks:
+(:class:`~kvshare.demo.engine_sim.EngineSim`) for every model of the trace, each step at
+its own logical time (steps cost what their batch costs), with no memory behind the
+blocks:
 
 - *partitioned*: each model allocates from its own fixed equal share of the GPU's blocks,
   as the static world does;
@@ -21,6 +22,8 @@ that favoured short requests could serve more in both worlds.)
 
 from __future__ import annotations
 
+import heapq
+import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -68,15 +71,26 @@ def _serve(trace: Trace, allocators: list[_Blocks]) -> tuple[int, ...]:
             trace.for_model(model),
             allocators[model],
             block_tokens=config.block_tokens,
-            step_s=config.step_s,
+            cost=config.step_cost(),
             patience_s=config.patience_s,
         )
         for model in range(config.models)
     ]
-    for step in range(round(config.duration_s / config.step_s)):
-        first = step % len(engines)  # nobody always allocates first
-        for engine in engines[first:] + engines[:first]:
-            engine.step()
+    # The engine whose next step starts first takes it; among steps starting at the same
+    # time, the engine that stepped longest ago goes first (nobody always allocates first).
+    due: list[tuple[float, int, int]] = []
+    order = itertools.count()
+    for index, engine in enumerate(engines):
+        start = engine.next_step_at()
+        if start is not None and start < config.duration_s:
+            heapq.heappush(due, (start, next(order), index))
+    while due:
+        _, _, index = heapq.heappop(due)
+        engine = engines[index]
+        engine.step()
+        start = engine.next_step_at()
+        if start is not None and start < config.duration_s:
+            heapq.heappush(due, (start, next(order), index))
     return tuple(engine.stats.served for engine in engines)
 
 

@@ -109,12 +109,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "a free one when taken)",
     )
     parser.add_argument(
+        "--broker-policy",
+        action="append",
+        metavar="NAME",
+        help="the node agent's broker policy (default its own); given more than once, one "
+        "elastic run per policy, side by side on the same trace",
+    )
+    parser.add_argument(
+        "--kv-min-share",
+        type=float,
+        metavar="FRACTION",
+        help="every elastic model's kvCache.min, as a fraction of an equal share (default 0; "
+        "0.25 with --engine vllm)",
+    )
+    parser.add_argument(
         "--plain", action="store_true", help="print progress lines instead of the live view"
     )
 
 
 def _options(args: argparse.Namespace) -> DemoOptions:
     from kvshare.demo.orchestrator import DemoOptions
+    from kvshare.deviceplugin.policy import policy_named
 
     given = {k: getattr(args, k) for k in _DEFAULTS if getattr(args, k) is not None}
     if args.trace is not None and given:
@@ -136,6 +151,14 @@ def _options(args: argparse.Namespace) -> DemoOptions:
         raise ValueError(f"--speed must be > 0, got {speed}")
     if int(values["cycles"]) < 1:
         raise ValueError(f"--cycles must be at least 1, got {values['cycles']}")
+    if args.kv_min_share is not None and not 0 <= args.kv_min_share <= 1:
+        raise ValueError(f"--kv-min-share must be within 0-1, got {args.kv_min_share}")
+    policies = tuple(args.broker_policy or (None,))
+    for name in policies:
+        if name is not None:
+            policy_named(name)  # ValueError names the known ones
+    if len(set(policies)) < len(policies):
+        raise ValueError("--broker-policy names each policy once")
     return DemoOptions(
         duration_s=float(values["duration"]),
         models=int(values["models"]),
@@ -149,6 +172,8 @@ def _options(args: argparse.Namespace) -> DemoOptions:
         output=args.output,
         metrics_port=args.metrics_port,
         live=not args.plain,
+        policies=policies,
+        kv_min_share=args.kv_min_share,
     )
 
 

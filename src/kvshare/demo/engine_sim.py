@@ -9,14 +9,16 @@ The simulation does what a vLLM-style scheduler does with KV memory, and nothing
   the allocator whenever it has work: while the pool gives memory back after a reclaim,
   the pool itself serves only from the pages it keeps and says no once they are full.
 - **Patience.** A client whose first token has not come ``patience_s`` after it sent the
-  request gives up: the request leaves the queue and counts as *abandoned* (its queueing
+  request gives up: the request leaves the queue, or is dropped when its patience ran
+  out during the step computing its first token, and counts as *abandoned* (its queueing
   delay counts as ``patience_s``). A request that was admitted once has streamed its
   first token, so its client stays even if it is preempted later.
 - **Decode.** Every step, each running request produces one token; when its tokens cross
   a block boundary it needs one more block.
 - **Preemption.** A running request that cannot grow makes the scheduler preempt the most
   recently admitted running request (possibly itself): its blocks are freed and it goes
-  back to the front of the queue, to be recomputed from scratch (vLLM's recompute
+  back to the front of the queue; when admitted again it recomputes its prompt and the
+  tokens it had generated in one prefill and goes on from there (vLLM's recompute
   preemption). No admission happens in a step that preempted.
 - **Completion.** A request that has produced all its tokens frees its blocks and counts
   as served.
@@ -25,12 +27,19 @@ The simulation does what a vLLM-style scheduler does with KV memory, and nothing
   evicted from the tail when the allocator runs short or the pool is asked to shrink
   (:class:`PrefixCache` is the pool's ``Evictor``).
 
-Time: a fixed time per decode step (``step_s``). This is the KV-capacity-bound regime —
-batch size, limited by KV memory, sets throughput, not compute — which is where sharing
-KV memory between models matters. Prefill costs one step. The caller drives the clock
-with :meth:`EngineSim.advance`; step ``k`` happens at logical time ``k * step_s``, so the
-results depend only on the trace and on what the allocator grants, not on how promptly
-the caller's process was scheduled.
+Time: a step costs what the batch in it costs (:class:`StepCost`): a fixed part, a part
+per token computed — the prompt tokens of the requests admitted in it (less the cached
+prefix) and one token per running request — and a part per token of context its
+decoding requests attend to. So a bigger batch streams more tokens per second in all,
+but each of its requests fewer, as on a real engine; with no cost per token every step
+takes the fixed time, and throughput is proportional to the memory the batch holds. A
+step's tokens are capped (``max_tokens``, vLLM's ``max_num_batched_tokens``): running
+requests first, then admissions while the budget lasts (the first admission of a step
+always, as chunked prefill would start it). A request's first token comes at the end
+of its admission step. An engine with nothing to do waits for the next arrival instead
+of stepping. The caller drives the clock with :meth:`EngineSim.advance`; steps happen at
+logical times, so the results depend only on the trace and on what the allocator
+grants, not on how promptly the caller's process was scheduled.
 
 Threads: the engine is driven from one thread. The pool may call the prefix cache's
 ``evict`` from another thread (a lease reclaim); the cache guards its state with its own
@@ -43,11 +52,43 @@ import threading
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from kvshare.demo.trace import Request
+if TYPE_CHECKING:
+    from kvshare.demo.trace import Request
 
-__all__ = ["BlockAllocator", "EngineSample", "EngineSim", "EngineStats", "PrefixCache"]
+__all__ = ["BlockAllocator", "EngineSample", "EngineSim", "EngineStats", "PrefixCache", "StepCost"]
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """What one scheduler step costs, in seconds::
+
+        fixed_s + per_token_s * tokens computed + per_context_token_s * context tokens
+
+    *Tokens computed* are the prompt tokens of the requests admitted in the step (less
+    their cached prefix) and one per running request; *context tokens* are the tokens
+    already in the KV cache of the running requests, which attention reads once per step.
+    """
+
+    fixed_s: float
+    """Seconds of a step whatever its batch (reading the weights, scheduling, sampling)."""
+    per_token_s: float = 0.0
+    """Seconds per token computed in the step (prompt tokens and decoded tokens alike)."""
+    per_context_token_s: float = 0.0
+    """Seconds per token of KV cache that the step's decoding requests attend to."""
+    max_tokens: int | None = None
+    """Most tokens one step computes (None: no cap)."""
+
+    def __post_init__(self) -> None:
+        if not self.fixed_s > 0 or min(self.per_token_s, self.per_context_token_s) < 0:
+            raise ValueError("a step needs fixed_s > 0 and per-token costs >= 0")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, not {self.max_tokens}")
+
+    def seconds(self, tokens: float, context: float = 0.0) -> float:
+        """How long a step computing ``tokens`` tokens over ``context`` cached ones takes."""
+        return self.fixed_s + self.per_token_s * tokens + self.per_context_token_s * context
 
 
 class BlockAllocator(Protocol):
@@ -166,12 +207,12 @@ class EngineSim:
         allocator: BlockAllocator,
         *,
         block_tokens: int,
-        step_s: float,
+        cost: StepCost,
         max_running: int = 256,
         patience_s: float | None = None,
     ) -> None:
-        if block_tokens < 1 or not step_s > 0 or max_running < 1:
-            raise ValueError("need block_tokens >= 1, step_s > 0 and max_running >= 1")
+        if block_tokens < 1 or max_running < 1:
+            raise ValueError("need block_tokens >= 1 and max_running >= 1")
         if patience_s is not None and not patience_s > 0:
             raise ValueError(
                 f"patience_s must be > 0 (or None: clients wait forever), not {patience_s}"
@@ -179,27 +220,46 @@ class EngineSim:
         self._pending = deque(sorted(requests, key=lambda r: r.arrival_s))
         self._allocator = allocator
         self._block_tokens = block_tokens
-        self.step_s = step_s
+        self.cost = cost
         self._max_running = max_running
         self._patience_s = patience_s
         self.prefix_cache = PrefixCache(allocator)
         self._waiting: deque[Request] = deque()
         self._running: list[_Running] = []
         self._admitted: set[int] = set()
-        self._steps = 0
+        self._progress: dict[int, int] = {}  # tokens generated by preempted requests
+        self._clock = 0.0
+        self.steps = 0
+        self.tokens = 0
         self.total = len(self._pending)
         self.stats = EngineStats()
 
     # --- clock -------------------------------------------------------------------------
     @property
     def clock(self) -> float:
-        """Logical time of the last step taken."""
-        return self._steps * self.step_s
+        """Logical time: when the next step starts (the last one's end)."""
+        return self._clock
+
+    def idle(self) -> bool:
+        """Nothing is running or waiting: the engine waits for the next arrival."""
+        return not self._running and not self._waiting
+
+    def next_step_at(self) -> float | None:
+        """When the next step starts: now if there is work, else at the next arrival
+        (None: nothing more will ever arrive)."""
+        if not self.idle():
+            return self._clock
+        return max(self._clock, self._pending[0].arrival_s) if self._pending else None
 
     def advance(self, now: float) -> int:
-        """Take every step due at or before ``now``; returns how many were taken."""
+        """Take every step that starts before ``now``; returns how many were taken. An
+        idle engine's clock moves to ``now`` (or to the next arrival before it)."""
         taken = 0
-        while (self._steps + 1) * self.step_s <= now + 1e-9:
+        while self._clock < now - 1e-9:
+            start = self.next_step_at()
+            if start is None or start >= now - 1e-9:
+                self._clock = now
+                break
             self.step()
             taken += 1
         return taken
@@ -210,18 +270,42 @@ class EngineSim:
 
     # --- one step ----------------------------------------------------------------------
     def step(self) -> EngineSample:
-        """One scheduler step at logical time ``clock + step_s``."""
-        self._steps += 1
-        now = self.clock
+        """One scheduler step, starting at :attr:`clock` (an idle engine's first moves the
+        clock to the next arrival); its batch sets how long it takes."""
+        if self.idle() and self._pending:
+            self._clock = max(self._clock, self._pending[0].arrival_s)
+        now = self._clock
         while self._pending and self._pending[0].arrival_s <= now + 1e-9:
             self._waiting.append(self._pending.popleft())
             self.stats.arrived += 1
         self._abandon(now)
-        preempted = self._decode()
+        context = sum(r.tokens() for r in self._running)
+        preempted, tokens = self._decode()
+        admitted: list[_Running] = []
         if not preempted and self._waiting:
-            self._admit(now)
+            budget = self.cost.max_tokens
+            tokens += self._admit(None if budget is None else budget - tokens, admitted)
+        self.steps += 1
+        self.tokens += tokens
+        self._clock = now + self.cost.seconds(tokens, context)
+        for entry in admitted:  # their first token comes with the step's end
+            self._first_token(entry)
         self._finish()
         return self.sample()
+
+    def _first_token(self, entry: _Running) -> None:
+        """Record a newly admitted request's first token, or its client's leaving when its
+        patience ran out while the step computed it (the request is dropped, as an engine
+        aborts the request of a client that disconnected)."""
+        request = entry.request
+        wait = self._clock - request.arrival_s
+        if self._patience_s is None or wait <= self._patience_s + 1e-9:
+            self.stats.record_wait(wait, request.arrival_s)
+            return
+        self._running.remove(entry)
+        self._release(entry)
+        self.stats.abandoned += 1
+        self.stats.record_wait(self._patience_s, request.arrival_s)
 
     def sample(self) -> EngineSample:
         """The engine's state now."""
@@ -252,8 +336,9 @@ class EngineSim:
                 return got
         return None
 
-    def _decode(self) -> bool:
-        """Grow every running request by one token; returns whether any was preempted."""
+    def _decode(self) -> tuple[bool, int]:
+        """Grow every running request by one token; returns whether any was preempted,
+        and the tokens decoded."""
         preempted = False
         index = 0
         while index < len(self._running):
@@ -275,9 +360,10 @@ class EngineSim:
             if grown:
                 current.generated += 1
                 index += 1
-        return preempted
+        return preempted, index
 
     def _preempt(self, victim: _Running) -> None:
+        self._progress[victim.request.rid] = victim.generated
         self._release(victim)
         self._waiting.appendleft(victim.request)
         self.stats.preemptions += 1
@@ -307,30 +393,43 @@ class EngineSim:
                 self.stats.record_wait(self._patience_s, request.arrival_s)
         self._waiting = kept
 
-    def _admit(self, now: float) -> None:
-        """Admit waiting requests in FIFO order while their prompt blocks can be had."""
+    def _admit(self, budget: int | None, admitted: list[_Running]) -> int:
+        """Admit waiting requests in FIFO order while their prompt blocks can be had and
+        the step's token budget lasts; returns the prompt tokens computed. Requests
+        admitted for the first time are appended to ``admitted``."""
+        computed = 0
         while self._waiting and len(self._running) < self._max_running:
             request = self._waiting[0]
-            needed = self._blocks_for(request.prompt_tokens + 1)
+            # A preempted request recomputes its prompt and what it generated so far.
+            done = self._progress.get(request.rid, 0)
+            needed = self._blocks_for(request.prompt_tokens + done + 1)
             full_prefix = request.prefix_tokens // self._block_tokens
             cached = self.prefix_cache.acquire() if request.prefix_tokens else 0
             cached = min(cached, full_prefix)
+            prompt = request.prompt_tokens + done - cached * self._block_tokens
+            if budget is not None and (budget <= 0 or (computed and computed + prompt > budget)):
+                if request.prefix_tokens:
+                    self.prefix_cache.release()
+                break
             got = self._alloc(needed - cached)
             if got is None:
                 if request.prefix_tokens:
                     self.prefix_cache.release()
-                return
+                break
             if request.prefix_tokens:
                 # The prefix blocks this request computed join the shared chain.
                 self.prefix_cache.extend(got[: full_prefix - cached])
                 got = got[full_prefix - cached :]
             self._waiting.popleft()
-            self._running.append(
-                _Running(request, got, full_prefix if request.prefix_tokens else 0, generated=1)
-            )
+            self._progress.pop(request.rid, None)
+            prefix = full_prefix if request.prefix_tokens else 0
+            entry = _Running(request, got, prefix, generated=done + 1)
+            self._running.append(entry)
+            computed += prompt
             if request.rid not in self._admitted:
                 self._admitted.add(request.rid)
-                self.stats.record_wait(max(0.0, now - request.arrival_s), request.arrival_s)
+                admitted.append(entry)
+        return computed
 
     def _finish(self) -> None:
         still = []

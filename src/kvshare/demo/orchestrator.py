@@ -1,27 +1,30 @@
-"""Runs the demo: the node agent and one process per simulated model server, twice over.
+"""Runs the demo: node agents and one process per model server, in static and elastic worlds.
 
-The same trace runs in two worlds of the same size:
+The same trace runs in worlds of the same size:
 
 - **static partitions** — each model's pool has a fixed lease of an equal share of the
   GPU (what ``--gpu-memory-utilization`` gives a model today);
-- **elastic (kvshare)** — each model's pool is leased by the node agent's broker, which
-  lends the GPU's memory to whoever needs it and reclaims it under contention.
+- **elastic (kvshare)** — each model's pool is leased by a node agent's broker, which
+  lends the GPU's memory to whoever needs it and reclaims it under contention (one such
+  world per broker policy asked for, each with its own agent).
 
-The orchestrator starts ``kvshare node --fake-gpus 1x<GPU>`` as a child (the broker, and
-the Prometheus endpoint on :9400 or a free port), then ``2 x models`` server processes
-(:mod:`kvshare.demo.server`), waits until every pool is up, gives them one common start
-instant, and collects their samples while the live view shows them. Throughout, it scrapes
-the node agent's metrics and checks the broker's books: what it charges the pools on the
-GPU never sums to more than the GPU's memory (its headroom is 0 here, so static partitions
-and elastic pools share the same total). At the end it checks every server's counts
-against the trace, writes ``results.json`` and the PNG into the output folder, and prints
-the comparison.
+The orchestrator starts ``kvshare node --fake-gpus 1x<GPU>`` per elastic world
+(:mod:`kvshare.demo.node_agent`: the broker, and the Prometheus endpoint on :9400 or a free
+port), then ``models`` server processes per world, waits until every pool is up, gives
+them one common start instant, and collects their samples while the live view shows them.
+Throughout, it scrapes the agents' metrics and checks the brokers' books: what a broker
+charges the pools on the GPU never sums to more than the GPU's memory (its headroom keeps
+the lendable part at exactly the GPU of the static world). At the end it checks every
+server's counts against the trace, writes ``results.json`` and the PNG into the output
+folder, and prints the comparison (:mod:`kvshare.demo.summary`).
 
-With ``engine="vllm"`` each model server is a real ``vllm serve`` (vLLM's CPU build and the
-tiny model, ``make engines``; :mod:`kvshare.demo.real_server`) driven by its model's
-requests over HTTP: plain vLLM with a KV cache of an equal share in the static world,
-vLLM with kvshare leased by the broker in the elastic one. The worlds then run one after
-the other (six vLLM servers at once would not fit this machine's memory), in real time.
+The model servers are simulated engines (:mod:`kvshare.demo.server`), every world at once
+and faster than the wall clock (``speed``); or, with ``engine="vllm"``, each is a real
+``vllm serve`` (vLLM's CPU build and the tiny model, ``make engines``;
+:mod:`kvshare.demo.real_server`) driven by its model's requests over HTTP: plain vLLM with
+a KV cache of an equal share in the static world, vLLM with kvshare leased by the broker
+in an elastic one. Real servers run one world after the other (two worlds of vLLM servers
+at once would not fit this machine's memory), in real time.
 
 It imports neither the runtime nor the node agent: it talks to both through their real
 interfaces (processes, pipes, the broker's socket path, the metrics endpoint).
@@ -29,33 +32,24 @@ interfaces (processes, pipes, the broker's socket path, the metrics endpoint).
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import json
-import logging
 import os
 import queue
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
-import uuid
-from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, Literal, TextIO
+from typing import Any, Literal, TextIO
 
 from kvshare.api import names
 from kvshare.api.quantity import format_bytes
 from kvshare.demo import trace as trace_mod
 from kvshare.demo.bound import Bound, sharing_bound
+from kvshare.demo.children import Child, Children, DemoError, child_env, read_lines, spawn, stop_all
+from kvshare.demo.node_agent import NodeAgent, broker_books, pick_metrics_port, scrape
 from kvshare.demo.stats import (
-    MODES,
     BookViolation,
     Comparison,
     Mode,
@@ -68,12 +62,18 @@ from kvshare.demo.stats import (
 )
 from kvshare.demo.view import LiveView
 
-__all__ = ["DemoError", "DemoOptions", "DemoOutcome", "NodeAgent", "pick_metrics_port", "run_demo"]
-
-log = logging.getLogger(__name__)
+__all__ = [
+    "ENGINES",
+    "DemoError",
+    "DemoOptions",
+    "DemoOutcome",
+    "Engine",
+    "World",
+    "run_demo",
+]
 
 GIB = 2**30
-#: Seconds allowed for the node agent and every simulated server to come up.
+#: Seconds allowed for a node agent and every simulated server to come up.
 STARTUP_TIMEOUT_S = 90.0
 #: Seconds allowed for a world of real vLLM servers to come up (their start-up turns
 #: follow one another, on two loaded cores).
@@ -83,7 +83,21 @@ Engine = Literal["sim", "vllm"]
 ENGINES: tuple[Engine, ...] = ("sim", "vllm")
 #: Seconds allowed past the trace's end for the servers to report.
 FINISH_GRACE_S = 30.0
-_PR_SET_PDEATHSIG = 1
+
+#: Pool settings of a real vLLM server on a demo GPU of tens of MiB: 256 KiB pages (1 MiB
+#: per page over the tiny model's 4 layers), lease growth in steps of 2 MiB and no pages
+#: kept ready (the runtime's defaults suit an 80 GiB GPU). A pool at its lease that wants
+#: a ready page asks the broker for more while it is short of nothing, and the broker
+#: takes that from a busy model.
+VLLM_POOL_ENV = {
+    "KVSHARE_PAGE_SIZE": str(256 * 2**10),
+    "KVSHARE_LEASE_CHUNK": str(2 * 2**20),
+    "KVSHARE_RESERVE_PAGES": "0",
+}
+#: A real server's guaranteed KV memory, in equal shares: a quiet model whose few requests
+#: must wait for the broker to reclaim memory from a busy one makes vLLM's engine spin on
+#: the cores the busy model computes on (on CPU the cores are the accelerator too).
+VLLM_MIN_SHARE = 0.25
 #: The trace runs this many times as fast as the wall clock, so that bursts of production
 #: length fit a one-minute demo: the default 144 s trace takes 36 s. The engines keep the
 #: trace's time; kvshare (broker round trips, reclaim deadlines, the pools' reserve and
@@ -92,8 +106,13 @@ _PR_SET_PDEATHSIG = 1
 DEFAULT_SPEED = 4.0
 
 
-class DemoError(RuntimeError):
-    """The demo could not run; the message says what failed and where its log is."""
+@dataclass(frozen=True)
+class World:
+    """One of the runs side by side: static partitions, or elastic under a broker policy."""
+
+    name: str
+    mode: Mode
+    policy: str | None = None
 
 
 @dataclass(frozen=True)
@@ -116,10 +135,34 @@ class DemoOptions:
     #: Trace seconds per wall-clock second (see :data:`DEFAULT_SPEED`; 1 for real engines).
     speed: float = DEFAULT_SPEED
     engine: Engine = "sim"
+    #: One elastic world per broker policy, each with its own node agent (None: the node
+    #: agent's default policy). The first is the one the live view and the plot show.
+    policies: tuple[str | None, ...] = (None,)
+    #: Every elastic pool's kvCache.min, as a fraction of an equal share of the GPU (None:
+    #: the engine's default, :attr:`min_share`).
+    kv_min_share: float | None = None
+
+    @property
+    def min_share(self) -> float:
+        """Every elastic pool's kvCache.min in equal shares: 0 for the simulated engines
+        (what a model holds is the broker's to decide), :data:`VLLM_MIN_SHARE` for real
+        ones."""
+        if self.kv_min_share is not None:
+            return self.kv_min_share
+        return VLLM_MIN_SHARE if self.engine == "vllm" else 0.0
 
     @property
     def startup_timeout_s(self) -> float:
+        """Seconds a world's servers have to come up."""
         return VLLM_STARTUP_TIMEOUT_S if self.engine == "vllm" else STARTUP_TIMEOUT_S
+
+    def worlds(self) -> list[World]:
+        """The static world, then the elastic ones."""
+        elastic = [
+            World("elastic" if i == 0 else f"elastic-{policy}", "elastic", policy)
+            for i, policy in enumerate(self.policies)
+        ]
+        return [World("static", "static"), *elastic]
 
     def trace(self) -> trace_mod.Trace:
         """The trace to run: loaded from ``trace_file`` or generated from the options."""
@@ -170,6 +213,18 @@ class DemoOutcome:
     #: Trace seconds per wall-clock second the run used.
     speed: float = 1.0
     elastic_kv_series: list[tuple[float, int]] = field(default_factory=list)
+    comparisons: dict[str, Comparison] = field(default_factory=dict)
+    """Every elastic world against the static one, by world name (``comparison`` is the
+    first's)."""
+    policies: dict[str, str | None] = field(default_factory=dict)
+    """The broker policy of each elastic world (None: the node agent's default)."""
+    by_world: dict[str, list[ServerResult]] = field(default_factory=dict)
+    """Every world's results (``results`` holds the static world's and the first elastic
+    world's)."""
+
+    def results_of(self, world: str) -> list[ServerResult]:
+        """The results of one world (``static``, or an elastic world's name)."""
+        return self.by_world.get(world, [])
 
     @property
     def ok(self) -> bool:
@@ -177,293 +232,17 @@ class DemoOutcome:
         return not (self.pool_violations or self.broker_violations or self.problems)
 
 
-# --- child processes ------------------------------------------------------------------
-
-
-def _die_with_parent() -> None:
-    """In the child, before exec: get SIGTERM when the orchestrator dies."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
-@dataclass
-class _Child:
-    name: str
-    process: subprocess.Popen[str]
-    log_path: Path
-
-    def log_tail(self, lines: int = 15) -> str:
-        try:
-            text = self.log_path.read_text(encoding="utf-8", errors="replace")
-        except OSError:
-            return ""
-        return "\n".join(text.splitlines()[-lines:])
-
-    def request_stop(self) -> None:
-        """Ask the process to finish: close its stdin (servers) or SIGTERM (the agent)."""
-        if self.process.stdin is not None:
-            with contextlib.suppress(OSError):
-                self.process.stdin.close()
-        elif self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-
-    def wait_stopped(self, deadline: float) -> None:
-        """Wait for the process until ``deadline``, then terminate it, then kill it."""
-        try:
-            self.process.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            log.warning("%s did not stop in time; terminating it", self.name)
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-
-
-def _stop_all(children: Sequence[_Child], timeout_s: float = 30.0) -> None:
-    """Stop every child, all at once (each is asked, then each is waited for)."""
-    for child in children:
-        child.request_stop()
-    deadline = time.monotonic() + timeout_s
-    for child in children:
-        child.wait_stopped(deadline)
-
-
-def _spawn(
-    name: str, argv: list[str], log_path: Path, env: dict[str, str], *, pipes: bool
-) -> _Child:
-    log_file = log_path.open("w", encoding="utf-8")
-    try:
-        process = subprocess.Popen(
-            argv,
-            stdin=subprocess.PIPE if pipes else subprocess.DEVNULL,
-            stdout=subprocess.PIPE if pipes else log_file,
-            stderr=log_file,
-            env=env,
-            text=True,
-            preexec_fn=_die_with_parent,  # noqa: PLW1509 - only a prctl call, no locks
-        )
-    finally:
-        log_file.close()
-    return _Child(name, process, log_path)
-
-
-def _read_lines(key: tuple[Mode, int], stream: IO[str], out: queue.Queue[Any]) -> None:
-    """Reader thread: one per server; puts ``(key, message)`` and ``(key, None)`` at EOF."""
-    for line in stream:
-        try:
-            out.put((key, json.loads(line)))
-        except json.JSONDecodeError:
-            out.put((key, {"kind": "error", "message": f"unreadable line {line[:200]!r}"}))
-    out.put((key, None))
-
-
-# --- the node agent -------------------------------------------------------------------
-
-
-def pick_metrics_port(preferred: int) -> tuple[int, bool]:
-    """``preferred`` if it is free on this host, else a free port; and whether it moved.
-
-    ``preferred`` 0 asks for any free port (not a move).
-    """
-    for port in dict.fromkeys((preferred, 0)):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-            try:
-                probe.bind(("0.0.0.0", port))
-            except OSError:
-                continue
-            chosen: int = probe.getsockname()[1]
-            return chosen, preferred not in (0, chosen)
-    raise DemoError("no free TCP port for the metrics endpoint")
-
-
-#: Pool settings of a real vLLM server on a demo GPU of tens of MiB: 256 KiB pages (1 MiB
-#: per page over the tiny model's 4 layers), lease growth in steps of 2 MiB and no pages
-#: kept ready (the runtime's defaults suit an 80 GiB GPU). A pool at its lease that wants
-#: a ready page asks the broker for more while it is short of nothing, and the broker
-#: takes that from a busy model.
-VLLM_POOL_ENV = {
-    "KVSHARE_PAGE_SIZE": str(256 * 2**10),
-    "KVSHARE_LEASE_CHUNK": str(2 * 2**20),
-    "KVSHARE_RESERVE_PAGES": "0",
-}
-#: A real server's guaranteed KV memory, in equal shares: a quiet model whose few requests
-#: must wait for the broker to reclaim memory from a busy one makes vLLM's engine spin on
-#: the cores the busy model computes on (on CPU the cores are the accelerator too).
-VLLM_MIN_SHARE = 0.25
-
-
-@dataclass
-class NodeAgent:
-    """``kvshare node`` with one fake GPU, its broker socket and its metrics endpoint."""
-
-    child: _Child
-    broker_socket: Path
-    metrics_url: str
-
-    @classmethod
-    def start(
-        cls, run_dir: Path, gpu_bytes: int, metrics_port: int, env: dict[str, str]
-    ) -> NodeAgent:
-        broker = run_dir / names.BROKER_SOCKET_NAME
-        # The node agent declares fake GPUs of 1 GiB or more: a smaller demo GPU (the real
-        # engines' tens of MiB) is a 1 GiB one that keeps the rest back as headroom.
-        declared = max(gpu_bytes, GIB)
-        argv = [
-            sys.executable,
-            "-m",
-            "kvshare.cli",
-            "node",
-            "--fake-gpus",
-            f"1x{format_bytes(declared)}",
-            # All the broker lends is KV memory: the same total as the static partitions.
-            "--headroom",
-            str(declared - gpu_bytes),
-            "--node-name",
-            "kvshare-demo",
-            "--broker-socket",
-            str(broker),
-            "--metrics-address",
-            f":{metrics_port}",
-            # No cluster here: no Kubernetes API, and a kubelet directory nobody serves.
-            "--no-kube",
-            "--device-plugin-dir",
-            str(run_dir / "device-plugins"),
-        ]
-        (run_dir / "device-plugins").mkdir(exist_ok=True)
-        child = _spawn("node agent", argv, run_dir / "node.log", env, pipes=False)
-        return cls(child, broker, f"http://127.0.0.1:{metrics_port}/metrics")
-
-    def gpu_uuid(self) -> str:
-        """The UUID of the agent's (single) fake GPU, as its metrics label it."""
-        text = scrape(self.metrics_url)
-        books = broker_books(text) if text is not None else []
-        if not books:
-            raise DemoError(f"the node agent's metrics name no GPU:\n{self.child.log_tail()}")
-        return books[0].gpu
-
-    def pool_env(
-        self, pod: str, *, kv_max: int, kv_min: int = 0, extra: dict[str, str] | None = None
-    ) -> dict[str, str]:
-        """The ``KVSHARE_*`` environment of a pool leased by this agent's broker (what the
-        operator and the device plugin give a model-server pod), plus ``extra``."""
-        return (extra or {}) | {
-            "KVSHARE_BROKER_SOCKET": str(self.broker_socket),
-            "KVSHARE_GPU_UUIDS": self.gpu_uuid(),
-            "KVSHARE_POD_NAMESPACE": "kvshare-demo",
-            "KVSHARE_POD_NAME": pod,
-            "KVSHARE_POD_UID": str(uuid.uuid4()),
-            "KVSHARE_MODELSERVER": pod,
-            "KVSHARE_KV_MIN": str(kv_min),
-            "KVSHARE_KV_MAX": str(kv_max),
-            "KVSHARE_KV_PRIORITY": "100",
-            "KVSHARE_STATIC_BYTES": "0",
-        }
-
-    def wait_ready(self, deadline: float) -> None:
-        while time.monotonic() < deadline:
-            if self.child.process.poll() is not None:
-                raise DemoError(
-                    f"the node agent exited with status {self.child.process.returncode}:\n"
-                    f"{self.child.log_tail()}"
-                )
-            text = scrape(self.metrics_url) if self.broker_socket.exists() else None
-            if text is not None and broker_books(text):
-                return
-            time.sleep(0.1)
-        raise DemoError(f"the node agent did not come up in time:\n{self.child.log_tail()}")
-
-    def stop(self) -> None:
-        """SIGTERM, then wait (and terminate or kill when it does not stop)."""
-        _stop_all([self.child], timeout_s=10.0)
-
-
-def scrape(url: str, timeout_s: float = 2.0) -> str | None:
-    """The metrics text at ``url``, or None when it does not answer."""
-    try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as response:
-            body: bytes = response.read()
-            return body.decode("utf-8")
-    except (urllib.error.URLError, OSError):
-        return None
-
-
-@dataclass(frozen=True)
-class GpuBooks:
-    """One GPU in the broker's books, from one scrape of its metrics."""
-
-    gpu: str
-    charged: int
-    """Sum over the GPU's pools of what the broker counts as taken for each (at least the
-    lease, and the old lease until a reclaim is acknowledged)."""
-    budget: int
-    """What the broker may lend: total - headroom - static footprints."""
-    overdue: int = 0
-    """Reclaims on the GPU so far that missed the broker's deadline."""
-
-
-def broker_books(text: str) -> list[GpuBooks]:
-    """Every GPU of the node agent's metrics text, with its pools' charges summed."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    charged: dict[str, float] = {}
-    overdue: dict[str, float] = {}
-    gpu_values: dict[str, dict[str, float]] = {}
-    wanted = {
-        "kvshare_gpu_memory_total_bytes": "total",
-        "kvshare_gpu_memory_headroom_bytes": "headroom",
-        "kvshare_gpu_memory_static_bytes": "static",
-    }
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            gpu = sample.labels.get("gpu", "")
-            if sample.name == "kvshare_pool_kv_charged_bytes":
-                charged[gpu] = charged.get(gpu, 0.0) + sample.value
-            elif sample.name == "kvshare_broker_reclaim_deadline_missed_total":
-                overdue[gpu] = overdue.get(gpu, 0.0) + sample.value
-            elif sample.name in wanted:
-                gpu_values.setdefault(gpu, {})[wanted[sample.name]] = sample.value
-    return [
-        GpuBooks(
-            gpu,
-            int(charged.get(gpu, 0)),
-            int(v.get("total", 0) - v.get("headroom", 0) - v.get("static", 0)),
-            int(overdue.get(gpu, 0)),
-        )
-        for gpu, v in gpu_values.items()
-    ]
-
-
 # --- the run --------------------------------------------------------------------------
 
 
-def _child_env() -> dict[str, str]:
-    env = dict(os.environ)  # the children inherit the caller's settings (log level, paths)
-    src = str(Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
-
-
-@contextlib.contextmanager
-def _children() -> Iterator[list[_Child]]:
-    """The children started inside; on the way out the servers are stopped first (they
-    leave the broker cleanly), then the node agent (started first)."""
-    started: list[_Child] = []
-    try:
-        yield started
-    finally:
-        _stop_all(started[1:])
-        _stop_all(started[:1])
-
-
 def run_demo(options: DemoOptions, stream: TextIO = sys.stdout) -> DemoOutcome:
-    """Run both worlds on one trace and return what happened (see the module doc).
+    """Run every world on one trace and return what happened (see the module doc).
 
     The results, the plot (``options.plot``) and the report are written before the
     children are stopped, so the servers' pools unmap while the plot is drawn.
     """
+    from kvshare.demo.summary import report_lines, write_results
+
     began = time.monotonic()
     if options.engine == "vllm":
         _require_serving()
@@ -475,26 +254,29 @@ def run_demo(options: DemoOptions, stream: TextIO = sys.stdout) -> DemoOutcome:
     port, moved = pick_metrics_port(options.metrics_port)
     if moved:
         stream.write(f"port {options.metrics_port} is taken: metrics are served on :{port}\n")
-    kind = "real vLLM servers" if options.engine == "vllm" else "model servers"
-    together = "one world after the other" if options.engine == "vllm" else "both worlds at once"
+    worlds = options.worlds()
+    elastic = [w for w in worlds if w.mode == "elastic"]
+    real = options.engine == "vllm"
+    agents = "the node agent" if len(elastic) == 1 else f"{len(elastic)} node agents"
     stream.write(
-        f"Starting the node agent (one fake {format_bytes(config.gpu_memory_bytes)} GPU) and "
-        f"{2 * config.models} {kind} ({config.models} static, {config.models} elastic; "
-        f"{together})...\n"
+        f"Starting {agents} (one fake {format_bytes(config.gpu_memory_bytes)} GPU each) and "
+        f"{len(worlds) * config.models} {'real vLLM' if real else 'model'} servers "
+        f"({config.models} per run: {', '.join(w.name for w in worlds)}; "
+        f"{'one run after the other' if real else 'all at once'})...\n"
     )
     stream.flush()
     messages: queue.Queue[Any] = queue.Queue()
     # Unix socket paths must stay short (< 108 bytes): sockets live in a short temp dir.
     with (
         tempfile.TemporaryDirectory(prefix="kvs-demo-", dir="/tmp") as run_dir,
-        _children() as started,
+        Children.running() as children,
     ):
-        base_env = _child_env()
-        node = NodeAgent.start(Path(run_dir), config.gpu_memory_bytes, port, base_env)
-        started.append(node.child)
+        base_env = child_env()
+        nodes = _start_agents(elastic, Path(run_dir), config.gpu_memory_bytes, port, base_env)
+        children.agents += [node.child for node in nodes.values()]
         share = config.gpu_memory_bytes // config.models
         launch = _Launcher(
-            options, trace_path, share, config.gpu_memory_bytes, base_env, messages, started, node
+            options, trace_path, share, config.gpu_memory_bytes, base_env, messages, children
         )
         view = LiveView(
             stream,
@@ -503,24 +285,22 @@ def run_demo(options: DemoOptions, stream: TextIO = sys.stdout) -> DemoOutcome:
             models=config.models,
             interactive=None if options.live else False,
         )
-        run = _Run(options, trace, node, {}, messages, view)
-        # Simulated servers run both worlds at once; real ones one world at a time.
-        worlds = [MODES] if options.engine == "sim" else [(mode,) for mode in MODES]
-        for modes in worlds:
-            servers: dict[tuple[Mode, int], _Child] = {}
-            if "static" in modes:
-                # Static servers need no broker: they set up while the agent starts.
-                servers |= {("static", m): launch.server("static", m) for m in range(config.models)}
-            node.wait_ready(time.monotonic() + options.startup_timeout_s)
-            if "elastic" in modes:
-                servers |= {
-                    ("elastic", m): launch.server("elastic", m) for m in range(config.models)
-                }
-            run.play(servers)
-            done_after = time.monotonic() - began
-            stream.write(f"{' and '.join(modes)} world done after {done_after:.0f} s\n")
-            if len(worlds) > 1:
-                _stop_all(list(servers.values()))  # its memory goes before the next world's
+        run = _Run(options, trace, nodes, {}, messages, view)
+        # Simulated servers run every world at once; real ones one world at a time.
+        for batch in [[w] for w in worlds] if real else [worlds]:
+            servers: dict[tuple[str, int], Child] = {}
+            for world in batch:  # static first: it needs no broker and sets up meanwhile
+                node = nodes.get(world.name)
+                if node is not None:
+                    node.wait_ready(time.monotonic() + STARTUP_TIMEOUT_S)
+                for model in range(config.models):
+                    servers[(world.name, model)] = launch.server(world, model, node)
+            run.wait_ready(servers)
+            running = " and ".join(w.name for w in batch)
+            stream.write(f"{running}: pools up after {time.monotonic() - began:.1f} s; running.\n")
+            run.collect(servers, run.start(servers))
+            if real:  # its memory goes before the next world's
+                stop_all(list(servers.values()))
         outcome = run.outcome()
         outcome.bound = sharing_bound(trace)
         outcome.speed = options.speed
@@ -528,10 +308,23 @@ def run_demo(options: DemoOptions, stream: TextIO = sys.stdout) -> DemoOutcome:
         if options.plot:
             outcome.plot = _plot(outcome, options.output / "kvshare-demo.png")
         outcome.wall_s = time.monotonic() - began
-        _write_results(outcome, outcome.summary)
+        write_results(outcome, outcome.summary)
         stream.write("\n".join(report_lines(outcome, options)) + "\n")
         stream.flush()
     return outcome
+
+
+def _start_agents(
+    elastic: list[World], run_dir: Path, gpu_bytes: int, port: int, env: dict[str, str]
+) -> dict[str, NodeAgent]:
+    """A node agent per elastic world, by world name: the first serves metrics on
+    ``port``, the others on free ones."""
+    nodes: dict[str, NodeAgent] = {}
+    for index, world in enumerate(elastic):
+        metrics = port if index == 0 else pick_metrics_port(0)[0]
+        place = run_dir / f"n{index}"
+        nodes[world.name] = NodeAgent.start(place, gpu_bytes, metrics, env, world.policy)
+    return nodes
 
 
 def _require_serving() -> None:
@@ -559,43 +352,45 @@ class _Launcher:
     gpu_bytes: int
     base_env: dict[str, str]
     messages: queue.Queue[Any]
-    started: list[_Child]
-    node: NodeAgent
+    children: Children
 
-    def server(self, mode: Mode, model: int) -> _Child:
-        """One model server of ``mode``: simulated, or a real vLLM server (``engine``)."""
+    def server(self, world: World, model: int, node: NodeAgent | None = None) -> Child:
+        """One model server of ``world`` (leased by ``node``'s broker when elastic):
+        simulated, or a real vLLM server (``options.engine``)."""
         options = self.options
         pod = f"model-{model}"
-        common = ["--trace", str(self.trace_path), "--model", str(model), "--mode", mode]
+        common = [*("--trace", str(self.trace_path), "--model", str(model))]
+        common += [*("--mode", world.mode, "--world", world.name)]
         common += ["--sample-s", str(options.sample_s)]
         extra: dict[str, str] | None = None
         if options.engine == "vllm":
             argv = [sys.executable, "-m", "kvshare.demo.real_server", *common]
             argv += ["--cpu", str(model % (os.cpu_count() or 1)), "--pod", pod]
-            argv += ["--agent-metrics", self.node.metrics_url, "--log-dir", str(options.output)]
+            argv += ["--log-dir", str(options.output)]
             argv += ["--cache-root", str(options.output / "vllm-cache")]
             argv += ["--startup-timeout", str(options.startup_timeout_s)]
+            if node is not None:
+                argv += ["--agent-metrics", node.metrics_url]
             extra = VLLM_POOL_ENV
         else:
             argv = [sys.executable, "-m", "kvshare.demo.server", *common]
             argv += ["--speed", str(options.speed)]
         env: dict[str, str] = {}
-        if mode == "static":
+        if node is None:
             argv += ["--share-bytes", str(self.static_share)]
         else:
-            # No cap below the GPU, and no guaranteed minimum for the simulated engines
-            # (kvCache.min 0): what a model holds beyond its running requests is the
-            # broker's fair share to decide. Real servers keep a quarter share.
-            kv_min = int(self.static_share * VLLM_MIN_SHARE) if extra is not None else 0
-            env = self.node.pool_env(pod, kv_max=self.gpu_bytes, kv_min=kv_min, extra=extra)
-        log_path = options.output / f"server-{mode}-{model}.log"
+            # No cap below the GPU, and a guaranteed minimum of min_share of a share: what
+            # a model holds beyond is the broker's to decide.
+            kv_min = int(self.static_share * options.min_share)
+            env = node.pool_env(pod, kv_max=self.gpu_bytes, kv_min=kv_min, extra=extra)
+        log_path = options.output / f"server-{world.name}-{model}.log"
         environ = {**self.base_env, **env}
-        child = _spawn(f"{mode} model-{model}", argv, log_path, environ, pipes=True)
-        self.started.append(child)
+        child = spawn(f"{world.name} model-{model}", argv, log_path, environ, pipes=True)
+        self.children.servers.append(child)
         assert child.process.stdout is not None
         threading.Thread(
-            target=_read_lines,
-            args=((mode, model), child.process.stdout, self.messages),
+            target=read_lines,
+            args=((world.name, model), child.process.stdout, self.messages),
             daemon=True,
         ).start()
         return child
@@ -609,7 +404,7 @@ def _plot(outcome: DemoOutcome, path: Path) -> Path:
         path,
         outcome.results,
         outcome.comparison,
-        trace_mod.phases(config),
+        trace_mod.busy_windows(outcome.trace),
         gpu_bytes=config.gpu_memory_bytes,
         duration_s=config.duration_s,
     )
@@ -620,38 +415,35 @@ class _Run:
     """The live part of one run: the servers' messages, the view, the broker's books.
 
     Owned by the orchestrator's main thread; reader threads only put into ``messages``.
+    A run plays its worlds in one or more batches; messages of an earlier batch's servers
+    (their last words as they stop) are dropped.
     """
 
     options: DemoOptions
     trace: trace_mod.Trace
-    node: NodeAgent
-    servers: dict[tuple[Mode, int], _Child]
+    nodes: dict[str, NodeAgent]
+    """The node agent of each elastic world, by world name."""
+    servers: dict[tuple[str, int], Child]
     messages: queue.Queue[Any]
     view: LiveView
-    samples: dict[tuple[Mode, int], list[Sample]] = field(default_factory=dict)
-    latest: dict[tuple[Mode, int], Sample] = field(default_factory=dict)
-    results: dict[tuple[Mode, int], ServerResult] = field(default_factory=dict)
+    samples: dict[tuple[str, int], list[Sample]] = field(default_factory=dict)
+    latest: dict[tuple[str, int], Sample] = field(default_factory=dict)
+    results: dict[tuple[str, int], ServerResult] = field(default_factory=dict)
     broker_violations: list[BookViolation] = field(default_factory=list)
-    elastic_kv_series: list[tuple[float, int]] = field(default_factory=list)
+    kv_series: dict[str, list[tuple[float, int]]] = field(default_factory=dict)
     checks: int = 0
     overdue_reclaims: int = 0
 
-    def fail(self, key: tuple[Mode, int], why: str) -> DemoError:
+    def fail(self, key: tuple[str, int], why: str) -> DemoError:
         child = self.servers[key]
         return DemoError(
             f"{child.name} failed: {why}\nlast lines of {child.log_path}:\n{child.log_tail()}"
         )
 
-    def play(self, servers: dict[tuple[Mode, int], _Child]) -> None:
-        """Run one world (or both at once): wait until its servers are up, give them one
-        start instant, collect until each has reported."""
+    def wait_ready(self, servers: dict[tuple[str, int], Child]) -> None:
+        """Block until the pool of each of ``servers`` is up."""
         self.servers |= servers
-        self.wait_ready(servers)
-        self.collect(servers, self.start(servers))
-
-    def wait_ready(self, servers: dict[tuple[Mode, int], _Child]) -> None:
-        """Block until every server's pool is up."""
-        ready: set[tuple[Mode, int]] = set()
+        ready: set[tuple[str, int]] = set()
         deadline = time.monotonic() + self.options.startup_timeout_s
         while len(ready) < len(servers):
             try:
@@ -660,14 +452,14 @@ class _Run:
                 late = ", ".join(servers[k].name for k in servers if k not in ready)
                 raise DemoError(f"timed out waiting for {late} to start") from None
             if key not in servers:
-                continue  # the last words of an earlier world's server
+                continue
             if message is None or message.get("kind") == "error":
                 raise self.fail(key, (message or {}).get("message", "exited during start-up"))
             if message.get("kind") == "ready":
                 ready.add(key)
 
-    def start(self, servers: dict[tuple[Mode, int], _Child]) -> float:
-        """Give every server the same start instant; returns it."""
+    def start(self, servers: dict[tuple[str, int], Child]) -> float:
+        """Give each of ``servers`` the same start instant; returns it."""
         start = time.monotonic() + 0.2
         for child in servers.values():
             assert child.process.stdin is not None
@@ -676,26 +468,27 @@ class _Run:
         self.samples |= {key: [] for key in servers}
         return start
 
-    def check_broker(self, start: float) -> None:
-        """One snapshot of the broker's books from its metrics."""
-        text = scrape(self.node.metrics_url)
-        if text is None:
-            return
-        self.checks += 1
+    def check_broker(self, start: float, worlds: set[str]) -> None:
+        """One snapshot of the books of every broker of ``worlds`` from its metrics."""
         t = round((time.monotonic() - start) * self.options.speed, 3)
-        for books in broker_books(text):
-            self.elastic_kv_series.append((t, books.charged))
-            self.overdue_reclaims = max(self.overdue_reclaims, books.overdue)
-            if books.charged > books.budget:
-                self.broker_violations.append(
-                    BookViolation(
-                        t,
-                        f"GPU {books.gpu}: pools charged {books.charged} bytes, over the "
-                        f"budget of {books.budget}",
+        for world, node in self.nodes.items():
+            text = scrape(node.metrics_url) if world in worlds else None
+            if text is None:
+                continue
+            self.checks += 1
+            for books in broker_books(text):
+                self.kv_series.setdefault(world, []).append((t, books.charged))
+                self.overdue_reclaims = max(self.overdue_reclaims, books.overdue)
+                if books.charged > books.budget:
+                    self.broker_violations.append(
+                        BookViolation(
+                            t,
+                            f"{world}: GPU {books.gpu}: pools charged {books.charged} bytes, "
+                            f"over the budget of {books.budget}",
+                        )
                     )
-                )
 
-    def handle(self, key: tuple[Mode, int], message: dict[str, Any] | None) -> None:
+    def handle(self, key: tuple[str, int], message: dict[str, Any] | None) -> None:
         if message is None:
             if key not in self.results:
                 raise self.fail(key, "exited before reporting its result")
@@ -710,21 +503,21 @@ class _Run:
         elif kind == "error":
             raise self.fail(key, message.get("message", "unknown error"))
 
-    def collect(self, servers: dict[tuple[Mode, int], _Child], start: float) -> None:
-        """Until every server has reported: messages, broker checks (while elastic servers
-        run), the live view."""
+    def collect(self, servers: dict[tuple[str, int], Child], start: float) -> None:
+        """Until each of ``servers`` has reported: messages, broker checks, the live view."""
         config = self.trace.config
-        footer = [f"metrics: {self.node.metrics_url}   output: {self.options.output}/"]
+        footer = [f"metrics: {self.first.metrics_url}   output: {self.options.output}/"]
         next_scrape = next_view = 0.0
         deadline = start + config.duration_s / self.options.speed + FINISH_GRACE_S
-        books = any(mode == "elastic" for mode, _ in servers)
+        worlds = {world for world, _ in servers}
         while any(key not in self.results for key in servers):
             now = time.monotonic()
-            if books and now >= next_scrape:
-                self.check_broker(start)
+            if now >= next_scrape:
+                self.check_broker(start, worlds)
                 next_scrape = now + 0.5
             if now >= next_view:
-                self.view.update(max(0.0, now - start) * self.options.speed, self.latest, footer)
+                elapsed = max(0.0, now - start) * self.options.speed
+                self.view.update(elapsed, self._shown(), footer)
                 next_view = now + 0.25
             try:
                 key, message = self.messages.get(timeout=0.1)
@@ -733,130 +526,48 @@ class _Run:
                     late = [servers[k].name for k in servers if k not in self.results]
                     raise DemoError(f"no result from {', '.join(late)} in time") from None
                 continue
-            if key in servers:  # not the last words of an earlier world's server
+            if key in servers:
                 self.handle(key, message)
-        self.view.update(config.duration_s, self.latest, footer)
+        self.view.update(config.duration_s, self._shown(), footer)
+
+    @property
+    def first(self) -> NodeAgent:
+        """The node agent of the first elastic world (the one the view shows)."""
+        return next(iter(self.nodes.values()))
+
+    def _shown(self) -> dict[tuple[Mode, int], Sample]:
+        """The latest samples of the static world and the first elastic one."""
+        first = next(iter(self.nodes))
+        shown: dict[tuple[Mode, int], Sample] = {}
+        for (world, model), sample in self.latest.items():
+            if world == "static":
+                shown[("static", model)] = sample
+            elif world == first:
+                shown[("elastic", model)] = sample
+        return shown
 
     def outcome(self) -> DemoOutcome:
-        keys = sorted(self.results, key=lambda k: (MODES.index(k[0]), k[1]))
-        ordered = [self.results[key] for key in keys]
+        """Every world's results, compared with the static world's, and the checks."""
+        static = [self.results[k] for k in sorted(self.results) if k[0] == "static"]
+        comparisons: dict[str, Comparison] = {}
+        mine: dict[str, list[ServerResult]] = {}
+        for world in self.nodes:
+            mine[world] = [self.results[k] for k in sorted(self.results) if k[0] == world]
+            comparisons[world] = compare(static + mine[world], self.kv_series.get(world, []))
+        first = next(iter(self.nodes))
+        everything = static + [r for world in self.nodes for r in mine[world]]
         return DemoOutcome(
             trace=self.trace,
-            results=ordered,
-            comparison=compare(ordered, self.elastic_kv_series),
-            pool_violations=check_pool_books(ordered),
+            results=static + mine[first],
+            comparison=comparisons[first],
+            pool_violations=check_pool_books(everything),
             broker_violations=self.broker_violations,
-            problems=[p for r in ordered for p in check_consistency(r)],
-            metrics_url=self.node.metrics_url,
+            problems=[p for r in everything for p in check_consistency(r)],
+            metrics_url=self.first.metrics_url,
             broker_checks=self.checks,
             overdue_reclaims=self.overdue_reclaims,
-            elastic_kv_series=self.elastic_kv_series,
+            elastic_kv_series=self.kv_series.get(first, []),
+            comparisons=comparisons,
+            policies={w.name: w.policy for w in self.options.worlds() if w.mode == "elastic"},
+            by_world={"static": static, **mine},
         )
-
-
-def _write_results(outcome: DemoOutcome, path: Path) -> None:
-    payload = {
-        "trace": asdict(outcome.trace.config),
-        "ratio": outcome.comparison.ratio,
-        "per_model": [asdict(s) for s in outcome.comparison.per_model],
-        "static": asdict(outcome.comparison.static),
-        "elastic": asdict(outcome.comparison.elastic),
-        "pool_violations": [asdict(v) for v in outcome.pool_violations],
-        "broker_violations": [asdict(v) for v in outcome.broker_violations],
-        "broker_checks": outcome.broker_checks,
-        "overdue_reclaims": outcome.overdue_reclaims,
-        "bound": asdict(outcome.bound) if outcome.bound is not None else None,
-        "problems": outcome.problems,
-        "wall_s": outcome.wall_s,
-        "speed": outcome.speed,
-        "elastic_kv_series": outcome.elastic_kv_series,
-        "servers": [asdict(r) for r in outcome.results],
-    }
-    path.write_text(json.dumps(payload) + "\n", encoding="utf-8")
-
-
-def _unit(gpu_bytes: int) -> tuple[int, str]:
-    """GiB for a GPU of a GiB or more, MiB below (the real engines' demo GPU)."""
-    return (GIB, "GiB") if gpu_bytes >= GIB else (2**20, "MiB")
-
-
-def summary_table(comparison: Comparison, gpu_bytes: int = GIB) -> list[str]:
-    """The end-of-run table, per model and in total, both modes (KV in GiB, or in MiB
-    on a GPU smaller than one)."""
-    unit, name = _unit(gpu_bytes)
-    header = (
-        f"{'run':<8} {'model':<8} {'served':>7} {'gave up':>7} {'offered':>7} {'p50 wait':>9} "
-        f"{'p95 wait':>9} {'peak KV':>9} {'mean KV':>9} {'mean used':>9} {'preempt':>7} "
-        f"{'reclaims':>8}"
-    )
-    lines = [header, "-" * len(header)]
-    rows: Sequence[Any] = [
-        *[s for s in comparison.per_model if s.mode == "static"],
-        comparison.static,
-        *[s for s in comparison.per_model if s.mode == "elastic"],
-        comparison.elastic,
-    ]
-    for row in rows:
-        model = "total" if row.model is None else f"model-{row.model}"
-        lines.append(
-            f"{row.mode:<8} {model:<8} {row.served:>7} {row.abandoned:>7} {row.offered:>7} "
-            f"{row.p50_wait_s:>8.2f}s {row.p95_wait_s:>8.2f}s "
-            f"{row.peak_kv / unit:>5.2f} {name} {row.mean_kv / unit:>5.2f} {name} "
-            f"{row.mean_used / unit:>5.2f} {name} "
-            f"{row.preemptions:>7} {row.reclaims:>8}"
-        )
-        if row.model is None:
-            lines.append("")
-    return lines
-
-
-def _bound_lines(outcome: DemoOutcome) -> list[str]:
-    bound = outcome.bound
-    if bound is None:
-        return []
-    return [
-        f"What this trace allows (the same schedulers simulated without memory): "
-        f"{sum(bound.partitioned)} served from partitions, {sum(bound.shared)} if every "
-        f"freed block went to any model at once: x{bound.ratio:.2f}.",
-    ]
-
-
-def report_lines(outcome: DemoOutcome, options: DemoOptions) -> list[str]:
-    """What the demo prints at the end: the table, the verdict, the checks, the files."""
-    config = outcome.trace.config
-    comparison = outcome.comparison
-    violations = [*outcome.broker_violations, *outcome.pool_violations]
-    engines = "real vLLM servers" if options.engine == "vllm" else "simulated engines"
-    unit, unit_name = _unit(config.gpu_memory_bytes)
-    lines = [
-        "",
-        f"Same trace ({len(outcome.trace.requests)} requests, {config.models} models, "
-        f"{config.duration_s:g} s), same {config.gpu_memory_bytes / unit:g} {unit_name} GPU, "
-        f"{engines}:",
-        "",
-        *summary_table(comparison, config.gpu_memory_bytes),
-        f"Elastic served {comparison.elastic.served} requests, static {comparison.static.served}"
-        f": x{comparison.ratio:.2f}. Clients that gave up after {config.patience_s:g} s "
-        f"without a first token: {comparison.static.abandoned} -> "
-        f"{comparison.elastic.abandoned}. p95 queueing delay "
-        f"{comparison.static.p95_wait_s:.2f} s -> {comparison.elastic.p95_wait_s:.2f} s.",
-        *_bound_lines(outcome),
-        f"Memory books: {outcome.broker_checks} snapshots of the broker's books and every "
-        f"pool sample checked: {len(violations)} over-commitments. Reclaims past the "
-        f"broker's deadline: {outcome.overdue_reclaims}.",
-    ]
-    if outcome.plot is not None:
-        lines.append(f"Plot:    {outcome.plot}")
-    lines += [
-        f"Results: {outcome.summary} (the trace is {options.output / 'trace.json'}; "
-        "--trace runs it again)",
-        f"Metrics were served at {outcome.metrics_url}. Wall time {outcome.wall_s:.0f} s.",
-    ]
-    if options.engine == "sim":
-        lines.append(
-            "These were simulated engines; `kvshare demo --engine vllm` runs the comparison "
-            "with real vLLM servers (vLLM's CPU build, set up by `make engines`)."
-        )
-    lines += [f"PROBLEM: {problem}" for problem in outcome.problems]
-    lines += [f"OVER-COMMITTED at {v.t:.2f} s: {v.what}" for v in violations[:10]]
-    return lines

@@ -273,7 +273,7 @@ def serve(args: argparse.Namespace, channel: Channel) -> None:
     trace = trace_mod.load(Path(args.trace))
     config = trace.config
     requests = trace.for_model(args.model)
-    name = f"{args.mode}-model-{args.model}"
+    name = f"{args.world or args.mode}-model-{args.model}"
     server = VllmServer(name, _options(args), Path(args.log_dir) / f"vllm-{name}.log")
     send = channel.send
     try:
@@ -298,6 +298,7 @@ def serve(args: argparse.Namespace, channel: Channel) -> None:
         send(
             ServerResult(
                 mode=args.mode,
+                world=args.world or args.mode,
                 model=args.model,
                 offered=len(requests),
                 arrived=arrived,
@@ -321,6 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trace", required=True, help="trace file written by the orchestrator")
     parser.add_argument("--model", type=int, required=True, help="index of this model")
     parser.add_argument("--mode", choices=("static", "elastic"), required=True)
+    parser.add_argument("--world", default="", help="the run it belongs to (default: its mode)")
     parser.add_argument("--share-bytes", type=int, help="KV cache of plain vLLM (--mode static)")
     parser.add_argument("--sample-s", type=float, default=0.5, help="seconds between samples")
     parser.add_argument("--vllm", default="0.32.0", help="serving environment (vLLM version)")

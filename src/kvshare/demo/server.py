@@ -24,6 +24,7 @@ status 1.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import dataclasses
 import json
 import logging
@@ -35,7 +36,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING
 
 from kvshare.demo import trace as trace_mod
 from kvshare.demo.engine_sim import EngineSim
@@ -43,8 +44,6 @@ from kvshare.demo.stats import Sample, ServerResult
 from kvshare.runtime.lease import LeaseHolder, LeaseSource, PoolUsage
 
 if TYPE_CHECKING:
-    import torch
-
     from kvshare.runtime.geometry import KVGeometry
     from kvshare.runtime.pool import KVPool
 
@@ -57,9 +56,16 @@ DEMO_LAYERS = 32
 #: 4 GiB demo GPU keeps a similar granularity with 256 KiB pages (256 logical pages).
 MIN_PAGES_PER_GPU = 256
 MAX_PAGE_SIZE = 2 * 2**20
-#: Lease growth step of an elastic pool: the runtime's default (256 MiB, a third of a
-#: percent of an 80 GiB GPU) scaled to a 4 GiB demo GPU, rounded up to one logical page.
-LEASE_CHUNK_BYTES = 16 * 2**20
+#: Lease growth step of an elastic pool, as a fraction of the GPU: the runtime's default
+#: (256 MiB, a 320th of an 80 GiB GPU), rounded up to one logical page (16 MiB on the
+#: demo's 4 GiB GPU).
+LEASE_CHUNK_SHARE = 1 / 320
+
+
+def lease_chunk_bytes(config: trace_mod.TraceConfig, geometry: KVGeometry) -> int:
+    """The lease growth step of an elastic pool on the trace's GPU."""
+    page = geometry.page_bytes
+    return max(page, -(-int(config.gpu_memory_bytes * LEASE_CHUNK_SHARE) // page) * page)
 
 
 class DemoConfigError(ValueError):
@@ -150,15 +156,18 @@ class StampedBlocks:
 
     The first 8 bytes of a block in buffer 0 hold a number unique to the allocation that
     handed it out; :meth:`free` checks it is still there. A block handed to two owners, or
-    a page unmapped under a live block, fails loudly instead of passing unnoticed.
+    a page unmapped under a live block, fails loudly instead of passing unnoticed. The
+    stamps are written at the blocks' addresses (no torch: a server starts in a fraction
+    of a second and holds a few tens of MB, so dozens of them fit beside each other).
     """
 
     def __init__(self, pool: KVPool) -> None:
         self._pool = pool
-        # Buffer 0 as (num_blocks, block_bytes // 8) words: word 0 of each block is its stamp.
-        self._words: torch.Tensor = pool.tensor(0)[0].view(dtype=_int64())
         self._owner: dict[int, int] = {}
         self._next = 1
+
+    def _word(self, block: int) -> ctypes.c_int64:
+        return ctypes.c_int64.from_address(self._pool.block_address(0, block))
 
     def alloc(self, n: int) -> object:
         got = self._pool.alloc(n)
@@ -168,7 +177,7 @@ class StampedBlocks:
             for block in got:
                 if block in self._owner:
                     raise AssertionError(f"block {block} handed out twice")
-                self._words[block, 0] = stamp
+                self._word(block).value = stamp
                 self._owner[block] = stamp
         return got
 
@@ -178,16 +187,10 @@ class StampedBlocks:
             stamp = self._owner.pop(block, None)
             if stamp is None:
                 raise AssertionError(f"block {block} freed but not allocated")
-            found = int(self._words[block, 0])
+            found = self._word(block).value
             if found != stamp:
                 raise AssertionError(f"block {block} holds {found}, not its stamp {stamp}")
         self._pool.free(blocks)
-
-
-def _int64() -> Any:
-    import torch
-
-    return torch.int64
 
 
 @dataclass
@@ -208,7 +211,7 @@ def open_channel() -> Channel:
     return Channel(out)
 
 
-def _lease(mode: str, share_bytes: int | None, page_bytes: int) -> ReclaimCounter:
+def _lease(mode: str, share_bytes: int | None, page_bytes: int, chunk: int) -> ReclaimCounter:
     """A static equal share, or the broker's lease with this pool's policy and identity
     from the ``KVSHARE_*`` environment (as a model-server pod gets them)."""
     if mode == "static":
@@ -226,7 +229,7 @@ def _lease(mode: str, share_bytes: int | None, page_bytes: int) -> ReclaimCounte
             gpu_for_rank(0),
             policy=policy,
             identity=PoolIdentity.from_env(engine="kvshare-demo"),
-            chunk_bytes=LEASE_CHUNK_BYTES,
+            chunk_bytes=chunk,
         )
     )
 
@@ -248,12 +251,13 @@ def serve(args: argparse.Namespace, channel: Channel) -> None:
     requests = trace.for_model(args.model)
     backend = open_backend("host")
     geometry = demo_geometry(config, backend.granularity)
-    lease = _lease(args.mode, args.share_bytes, geometry.page_bytes)
+    chunk = lease_chunk_bytes(config, geometry)
+    lease = _lease(args.mode, args.share_bytes, geometry.page_bytes, chunk)
     pool = KVPool(
         geometry,
         backend,
         lease,
-        lease_chunk_bytes=LEASE_CHUNK_BYTES,
+        lease_chunk_bytes=chunk,
         report_interval_s=0.5,
     )
     try:
@@ -261,17 +265,18 @@ def serve(args: argparse.Namespace, channel: Channel) -> None:
             requests,
             StampedBlocks(pool),
             block_tokens=config.block_tokens,
-            step_s=config.step_s,
+            cost=config.step_cost(),
             patience_s=config.patience_s,
         )
         pool.set_evictor(engine.prefix_cache)
         channel.send(json.dumps({"kind": "ready", "model": args.model, "mode": args.mode}))
         start = wait_for_start(sys.stdin)
-        clock = _Clock(engine, pool, lease, channel, args.sample_s, args.speed)
-        stopped = clock.run(start, config.duration_s)
+        clock = _Clock(engine, pool, lease, channel, args.sample_s, args.speed, config.duration_s)
+        stopped = clock.run(start)
         waits, arrivals = engine.waits()
         result = ServerResult(
             mode=args.mode,
+            world=args.world or args.mode,
             model=args.model,
             offered=len(requests),
             arrived=engine.stats.arrived,
@@ -295,8 +300,8 @@ def serve(args: argparse.Namespace, channel: Channel) -> None:
 class _Clock:
     """Steps the engine on the wall clock from the common start; samples as it goes.
 
-    The trace's time runs ``speed`` times as fast as the wall clock: a decode step of
-    ``step_s`` simulated seconds takes ``step_s / speed`` of wall time. Everything else
+    The trace's time runs ``speed`` times as fast as the wall clock: a step of ``t``
+    simulated seconds takes ``t / speed`` of wall time. Everything else
     (the broker, the pool's reserve thread, lease reports) keeps wall time, so their
     delays count ``speed`` times over in the trace's time.
     """
@@ -307,13 +312,15 @@ class _Clock:
     channel: Channel
     sample_s: float
     speed: float
+    duration_s: float
 
     def sample(self) -> Sample:
         peak = self.lease.take_peak()
         snap = self.pool.snapshot()
         state = self.engine.sample()
         return Sample(
-            t=round(state.t, 4),
+            # The last step may end after the trace does: the run ends with the trace.
+            t=round(min(state.t, self.duration_s), 4),
             served=state.served,
             abandoned=self.engine.stats.abandoned,
             arrived=self.engine.stats.arrived,
@@ -327,21 +334,23 @@ class _Clock:
             reclaims=self.lease.reclaims,
         )
 
-    def run(self, start: float, duration_s: float) -> bool:
-        """Step until ``duration_s``; returns True when stdin closed first (stopped early)."""
-        engine = self.engine
+    def run(self, start: float) -> bool:
+        """Step until the trace's end; returns True when stdin closed first (stopped early)."""
+        engine, duration_s = self.engine, self.duration_s
         watcher = selectors.DefaultSelector()
         watcher.register(sys.stdin, selectors.EVENT_READ)
         next_sample = 0.0
         while True:
             engine.advance(min((time.monotonic() - start) * self.speed, duration_s))
+            if engine.clock >= duration_s - 1e-9:
+                self.channel.send(self.sample().to_json())  # the last one, at the end
+                return False
             if engine.clock >= next_sample - 1e-9:
                 self.channel.send(self.sample().to_json())
                 next_sample += self.sample_s
-            if engine.clock >= duration_s - 1e-9:
-                return False
-            due = start + (engine.clock + engine.step_s) / self.speed
-            wait = max(0.0, due - time.monotonic())
+            next_step = engine.next_step_at()
+            due_t = min(next_sample, duration_s if next_step is None else next_step)
+            wait = max(0.0, start + due_t / self.speed - time.monotonic())
             if watcher.select(timeout=wait) and not sys.stdin.readline():
                 return True
 
@@ -351,6 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trace", required=True, help="trace file written by the orchestrator")
     parser.add_argument("--model", type=int, required=True, help="index of this model")
     parser.add_argument("--mode", choices=("static", "elastic"), required=True)
+    parser.add_argument("--world", default="", help="the run it belongs to (default: its mode)")
     parser.add_argument("--share-bytes", type=int, help="static lease (--mode static)")
     parser.add_argument(
         "--sample-s", type=float, default=0.25, help="trace seconds between samples"

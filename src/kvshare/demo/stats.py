@@ -90,6 +90,9 @@ class ServerResult:
     wait_arrivals_s: list[float]
     """Arrival time of each entry of ``waits_s``."""
     samples: list[Sample] = field(default_factory=list)
+    world: str = ""
+    """Which run it belongs to when a demo runs several elastic worlds (one per broker
+    policy); empty means its mode's."""
 
     def to_json(self) -> str:
         payload = asdict(self)

@@ -9,6 +9,7 @@ that it is idle and the rest keeps running.
 
 from __future__ import annotations
 
+import datetime
 import logging
 import threading
 from dataclasses import dataclass
@@ -16,11 +17,13 @@ from pathlib import Path
 from typing import Any
 
 from kvshare.api import names
+from kvshare.api.kube import Condition
 from kvshare.api.quantity import format_bytes_human
 from kvshare.deviceplugin.audit import Auditor
 from kvshare.deviceplugin.broker import Broker, BrokerConfig
 from kvshare.deviceplugin.inventory import GpuInfo, Inventory, open_inventory
 from kvshare.deviceplugin.metrics import MetricsServer, NodeMetrics
+from kvshare.deviceplugin.policy import DEFAULT_POLICY
 
 __all__ = ["AgentConfig", "NodeAgent"]
 
@@ -46,10 +49,16 @@ class AgentConfig:
     kubeconfig: str | None = None
     publish_interval_s: float = 10.0
     reclaim_deadline_s: float = 10.0
+    broker_policy: str = DEFAULT_POLICY
     startup_hold_s: float = 600.0
     recovery_s: float = 10.0
     audit_interval_s: float = 2.0
     health_interval_s: float = 5.0
+    node_check_interval_s: float = 300.0
+    node_config: str | None = None
+    """The named configuration the settings above came from (``None``: no file)."""
+    node_config_problem: str = ""
+    """Why the node runs the default configuration although its label names another."""
 
     @classmethod
     def for_broker(
@@ -106,6 +115,7 @@ class NodeAgent:
         self._watch: Any = None
         self._publisher: Any = None
         self._pods: Any = None
+        self._checks: Any = None
         self._stop = threading.Event()
         self._health_thread: threading.Thread | None = None
         self._gpus: list[GpuInfo] = []
@@ -133,6 +143,7 @@ class NodeAgent:
                 state_path=config.state_file,
                 headroom=config.headroom,
                 reclaim_deadline_s=config.reclaim_deadline_s,
+                policy=config.broker_policy,
                 turn_hold_s=config.startup_hold_s,
                 recovery_s=config.recovery_s,
             ),
@@ -179,20 +190,43 @@ class NodeAgent:
         api = kube_api_client(config.kubeconfig) if config.use_kube else None
         if api is None:
             return
+        from kvshare.deviceplugin.node_checks import NodeChecks, post_node_event, read_node
         from kvshare.deviceplugin.pods import PendingPods
         from kvshare.deviceplugin.publisher import KVShareNodePublisher, status_from_view
 
         assert self.broker is not None and self.inventory is not None
         broker, backend = self.broker, self.inventory.backend
+        checks = NodeChecks(
+            lambda: read_node(api, config.node_name),
+            lambda: len(self._gpus),
+            lambda facts, reason, message: post_node_event(api, facts, reason, message),
+            self.metrics.set_device_plugin_conflict,
+            interval_s=config.node_check_interval_s,
+            warnings=(
+                (("UnknownNodeConfig", config.node_config_problem),)
+                if config.node_config_problem
+                else ()
+            ),
+        )
+        self._checks = checks
+        checks.start()
+        config_condition = self._config_condition()
 
         def status() -> Any:
-            return status_from_view(broker.view(), backend, config.slots_per_gpu)
+            return status_from_view(
+                broker.view(),
+                backend,
+                config.slots_per_gpu,
+                node_config=config.node_config,
+                conditions=[*config_condition, *checks.conditions()],
+                policies=broker.pod_policy_states(),
+            )
 
         self._publisher = KVShareNodePublisher(
             api, config.node_name, status, self.metrics, interval_s=config.publish_interval_s
         )
         self._publisher.start()
-        self._pods = PendingPods(api, config.node_name)
+        self._pods = PendingPods(api, config.node_name, on_pod=self._pod_changed)
         self._pods.start()
 
     def _start_device_plugin(self) -> None:
@@ -242,7 +276,7 @@ class NodeAgent:
         """Stop every part that started, newest first; removes the plugin and broker
         sockets (pools keep their memory and reconnect to the next agent)."""
         self._stop.set()
-        for part in (self._plugins, self._publisher, self._pods, self._auditor):
+        for part in (self._plugins, self._publisher, self._pods, self._checks, self._auditor):
             if part is not None:
                 part.stop()
         if self._health_thread is not None:
@@ -253,10 +287,37 @@ class NodeAgent:
             self.broker.stop()
         if self.inventory is not None:
             self.inventory.close()
-        self._plugins = self._publisher = self._pods = self._auditor = None
+        self._plugins = self._publisher = self._pods = self._checks = self._auditor = None
         self.metrics_server = None
         self.broker = None
         self.inventory = None
+
+    def _pod_changed(self, kind: str, pod: Any) -> None:
+        """A pod of this node changed: its annotated KV policy goes to the broker."""
+        from kvshare.deviceplugin.pod_policies import pod_policy
+
+        broker = self.broker
+        if broker is None:
+            return
+        uid, policy = pod_policy(pod)
+        broker.set_pod_policy(uid, None if kind == "DELETED" else policy)
+
+    def _config_condition(self) -> list[Condition]:
+        """``NodeConfigApplied``, when the settings came from a configuration file."""
+        config = self.config
+        if config.node_config is None:
+            return []
+        now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        problem = config.node_config_problem
+        return [
+            Condition(
+                type="NodeConfigApplied",
+                status="False" if problem else "True",
+                reason="UnknownConfig" if problem else "ConfigApplied",
+                message=problem or f"runs node-agent configuration {config.node_config!r}",
+                last_transition_time=now,
+            )
+        ]
 
     # --- state --------------------------------------------------------------------------
 

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvshare.api.wire import (
     Hello,
@@ -56,9 +56,9 @@ from kvshare.api.wire import (
     TurnRefused,
     TurnRequest,
 )
-from kvshare.deviceplugin.admission import hello_problem, no_fit
+from kvshare.deviceplugin.admission import MAX_PRIORITY, hello_problem, no_fit
 from kvshare.deviceplugin.inventory import GpuInfo
-from kvshare.deviceplugin.policy import FairShare, Policy
+from kvshare.deviceplugin.policy import DEFAULT_POLICY, Policy, policy_named
 from kvshare.deviceplugin.records import (
     BrokerEvents,
     ExpectedPool,
@@ -95,6 +95,9 @@ RECOVERING = "recovering: the broker is rebuilding its books after a restart"
 DRAINING = "draining: this GPU is being drained to each pool's minimum"
 RECLAIMING = "reclaiming: this pool has an unacknowledged reclaim"
 UNHEALTHY = "unhealthy: this GPU is reported unhealthy"
+# Why reclaims are sent (the Reclaim message says so).
+CONTENTION = "contention"
+RESENT = "resent"
 
 
 @dataclass(frozen=True)
@@ -140,7 +143,7 @@ class Books:
         self._orphan_grace_s = orphan_grace_s
         self._orphan_wait_s = orphan_wait_s
         self._events = events or BrokerEvents()
-        self._policy: Policy = policy or FairShare()
+        self._policy: Policy = policy or policy_named(DEFAULT_POLICY)
         self._next_pool_id = 1
         self._next_seq = 1
         self._recovery = Recovery(self._gpus, expected, recovery_deadline)
@@ -257,7 +260,7 @@ class Books:
             # authoritative; an unacknowledged reclaim is sent again.
             existing.orphaned_at = None
             if existing.reclaim is not None:
-                sends.append(self._reclaim(gpu, existing, existing.reclaim.target, now, "resent"))
+                sends.append(self._reclaim(gpu, existing, existing.reclaim.target, now, RESENT))
             log.info("pool %s (pid %d) reconnected", existing.name, pid)
             self._events.admitted(hello.gpu, resumed=True)
             return Admission(existing, "", sends)
@@ -356,11 +359,12 @@ class Books:
         """Pool ``pool_id`` asks for its lease to reach ``total``; always answers ``seq``."""
         pool = self._pools[pool_id]
         gpu = self._gpus[pool.gpu]
-        asked = align_up(max(total, 0), pool.page)
+        asked = pool.asked = align_up(max(total, 0), pool.page)
         at_max = pool.kv_max is not None and asked > pool.kv_max
         if pool.kv_max is not None:
             asked = min(asked, pool.kv_max)
         pool.want = max(asked, pool.floor)
+        pool.wanted_at = now
         target = gpu.cap(pool)
         reason: str | None = None
         if pool.reclaim is not None:
@@ -443,9 +447,10 @@ class Books:
         # A pending reclaim stands even when blocks are in use above its target: the pool
         # releases them as their requests finish (see the module doc).
         if not self.recovering and self._waiting(gpu):
-            # Usage moved: what other pools may be asked to give back moved with it.
-            return self._rebalance(gpu, now)
-        return []
+            # Usage moved: who the policy grows, and what other pools may be asked to give
+            # back, moved with it.
+            return self._serve(gpu, now)
+        return [] if self.recovering else self._withdraw_unneeded(gpu)
 
     def remove(self, pool_id: int, why: str, now: float) -> list[Send]:
         """Pool ``pool_id`` is gone (``why``: bye, closed, exited, ...): its lease returns."""
@@ -521,14 +526,39 @@ class Books:
         if self._waiting(gpu):
             grants = self._policy.grants(gpu.snapshot(now), None)
             sends += self._announce(gpu, self._apply_grants(gpu, grants))
-        return sends + self._rebalance(gpu, now)
+        return sends + self._rebalance(gpu, now) + self._withdraw_unneeded(gpu)
+
+    def _withdraw_unneeded(self, gpu: GpuRecord) -> list[Send]:
+        """Call off the reclaims nobody needs any more: no pool waits, no engine waits for
+        the start-up turn, the GPU is not over-committed, draining or unhealthy. A pool
+        still releasing one (blocks in use that may never finish while it serves) keeps
+        what it holds, as its lease, and may ask for more again."""
+        if (
+            self._waiting(gpu)
+            or gpu.turn_need()
+            or gpu.unleased < 0
+            or gpu.draining
+            or not gpu.healthy
+        ):
+            return []
+        sends = []
+        for pool in gpu.pools.values():
+            pending = pool.reclaim
+            if pending is None or not pending.for_waiters or pool.held > gpu.may_grow_to(pool):
+                continue
+            pool.reclaim = None
+            pool.lease = max(pool.lease, min(pending.from_bytes, align_up(pool.held, pool.page)))
+            self._recharge(gpu, pool)
+            log.debug("reclaim %d of pool %s called off: nobody waits", pending.seq, pool.name)
+            sends.append(Send("pool", pool.id, Lease(seq=0, limit=pool.lease, reason=GRANTED)))
+        return sends
 
     def _rebalance(self, gpu: GpuRecord, now: float) -> list[Send]:
         """Issue the reclaims the policy asks for (for waiters, a waiting start-up turn,
         or an over-committed GPU), each within the rules (see the module doc)."""
         if self.recovering:
             return []
-        reason = "draining" if gpu.draining else "contention"
+        reason = "draining" if gpu.draining else CONTENTION
         sends = []
         for pool_id, asked in self._policy.reclaims(gpu.snapshot(now)).items():
             pool = gpu.pools.get(pool_id)
@@ -552,16 +582,27 @@ class Books:
         seq = self._next_seq
         self._next_seq += 1
         previous = pool.reclaim
+        if reason == RESENT and previous is not None:
+            for_waiters = previous.for_waiters
+        else:
+            # Deepening a reclaim that was needed for more than waiters keeps it needed.
+            for_waiters = (
+                reason == CONTENTION
+                and not (gpu.turn_need() or gpu.unleased < 0)
+                and (previous is None or previous.for_waiters)
+            )
         pool.reclaim = PendingReclaim(
             seq=seq,
             target=target,
             from_bytes=previous.from_bytes if previous else pool.lease,
             issued_at=previous.issued_at if previous else now,
             deadline=deadline if deadline is not None else now + self._reclaim_deadline_s,
+            for_waiters=for_waiters,
         )
         pool.lease = target
         # The pool asks again if it still needs more; until then it is not waiting.
         pool.want = min(pool.want, target)
+        pool.asked = min(pool.asked, target)
         pool.waiting_since = None
         self._recharge(gpu, pool)
         self._events.reclaim_issued(pool.gpu)
@@ -637,16 +678,18 @@ class Books:
             refusal = self._turns.refusal(gpu, request)
             if refusal is None and request.static + request.kv_min > gpu.placement_free:
                 refusal = no_fit(gpu, request.static, request.kv_min)
+        if refusal is None and gpu is not None:
+            queued, refusal = self._turns.enqueue(gpu, key, request, pid, now)
         if refusal is not None or gpu is None:
             return [Send("turn", key, TurnRefused(seq=request.seq, reason=refusal or ""))]
-        self._turns.enqueue(gpu, key, request, pid, now)
-        return self._serve(gpu, now)
+        return [send for queue in queued for send in self._serve(queue, now)]
 
     def turn_done(self, key: int, now: float) -> list[Send]:
         """Connection ``key`` is done with (or gave up waiting for) its start-up turn."""
         for gpu in self._gpus.values():
-            if self._turns.withdraw(gpu, key):
-                return self._serve(gpu, now)
+            refusals = self._turns.withdraw(gpu, key)
+            if refusals is not None:
+                return refusals + [s for g in self._gpus.values() for s in self._serve(g, now)]
         return []
 
     # --- administration -----------------------------------------------------------------
@@ -663,12 +706,42 @@ class Books:
                 )
         pool.kv_max = kv_max
         sends: list[Send] = []
-        if kv_max is not None:
-            pool.want = min(pool.want, kv_max)
-            if pool.lease > kv_max:
-                sends.append(self._reclaim(gpu, pool, kv_max, now, "max lowered"))
+        # What the pool asked for beyond the old cap is wanted again under a raised one.
+        wanted = max(pool.want, pool.asked)
+        pool.want = max(pool.floor, wanted if kv_max is None else min(wanted, kv_max))
+        if kv_max is not None and pool.lease > kv_max:
+            sends.append(self._reclaim(gpu, pool, kv_max, now, "max lowered"))
         log.info("pool %s max set to %s", pool.name, "none" if kv_max is None else size(kv_max))
         return sends + self._serve(gpu, now)
+
+    def set_policy(
+        self, pool_id: int, kv_min: int, kv_max: int | None, priority: int, now: float
+    ) -> list[Send]:
+        """Change a pool's minimum, cap and priority in place (its pod's kvCache changed).
+
+        A raised minimum is guaranteed at once, as at admission; when the GPU cannot hold
+        it, or the values break the rules, nothing changes and ``ValueError`` says why. A
+        lease above a lowered cap is reclaimed; a lowered priority gives memory back first
+        from the next contention on.
+        """
+        pool = self._pools[pool_id]
+        gpu = self._gpus[pool.gpu]
+        new_min = align_up(kv_min, pool.page)
+        if not 0 <= priority <= MAX_PRIORITY:
+            raise ValueError(f"priority {priority} is outside 0-{MAX_PRIORITY}")
+        if kv_max is not None and align_down(kv_max, pool.page) < new_min:
+            raise ValueError(f"max {size(kv_max)} is below the kv min {size(new_min)}")
+        more = new_min - pool.kv_min
+        if more > max(gpu.placement_free, 0):
+            raise ValueError(
+                f"GPU {gpu.info.index} cannot guarantee {size(more)} more kv min to pool "
+                f"{pool.name}: {size(max(gpu.placement_free, 0))} is left for placement"
+            )
+        gpu.min_sum += more
+        pool.kv_min = new_min
+        pool.hello = replace(pool.hello, priority=priority)
+        self._recharge(gpu, pool)
+        return self.set_max(pool_id, kv_max, now)
 
     def set_draining(self, gpu_uuid: str, draining: bool, now: float) -> list[Send]:
         """Drain a GPU (reclaim every pool to its minimum, admit nothing new) or undo it."""

@@ -52,8 +52,10 @@ from kvshare.api.wire import (
     Welcome,
 )
 from kvshare.deviceplugin import admin, peers
-from kvshare.deviceplugin.books import Books, BrokerEvents, ExpectedPool, Send
+from kvshare.deviceplugin.books import Books, BrokerEvents, ExpectedPool, PoolRecord, Send
 from kvshare.deviceplugin.inventory import GpuInfo
+from kvshare.deviceplugin.pod_policies import PodPolicies, PodPolicy, PolicyState
+from kvshare.deviceplugin.policy import DEFAULT_POLICY, policy_named
 from kvshare.deviceplugin.state import load_expected, save_pools
 from kvshare.deviceplugin.throttle import ThrottledLog
 from kvshare.deviceplugin.views import BooksView
@@ -85,6 +87,8 @@ class BrokerConfig:
     state_path: Path | None = None
     headroom: int = 512 * 2**20
     reclaim_deadline_s: float = 10.0
+    policy: str = DEFAULT_POLICY
+    """The broker policy's name (:data:`kvshare.deviceplugin.policy.POLICIES`)."""
     turn_hold_s: float = 600.0
     orphan_grace_s: float = 0.5
     orphan_wait_s: float = 10.0
@@ -130,6 +134,9 @@ class Broker:
         self._pidfds: dict[int, tuple[Literal["pool", "expected"], int]] = {}
         self._pool_pidfds: dict[int, int] = {}
         self._admitted: dict[int, tuple[ExpectedPool, int | None]] = {}
+        # Policies changed in place (pod annotations): changed by the pod watch under
+        # _lock, applied by the loop thread (see _apply_pod_policies).
+        self._pod_policies = PodPolicies()
         self._listeners: list[tuple[socket.socket, Path]] = []
         self._next_conn_id = 1
         self._wake_r, self._wake_w = os.pipe()
@@ -152,6 +159,7 @@ class Broker:
                 self._gpus,
                 headroom=self.config.headroom,
                 reclaim_deadline_s=self.config.reclaim_deadline_s,
+                policy=policy_named(self.config.policy),
                 turn_hold_s=self.config.turn_hold_s,
                 orphan_grace_s=self.config.orphan_grace_s,
                 orphan_wait_s=self.config.orphan_wait_s,
@@ -241,6 +249,19 @@ class Broker:
                     flagged.append(record.name if record else str(pool_id))
         return flagged
 
+    def set_pod_policy(self, pod_uid: str, policy: PodPolicy | None) -> None:
+        """Pod ``pod_uid``'s annotated KV policy (from the pod watch): applied to its pools
+        now and to the pools it opens later; ``None``: the pod is gone."""
+        with self._lock:
+            changed = self._pod_policies.set(pod_uid, policy)
+        if changed:
+            self._wake()
+
+    def pod_policy_states(self) -> dict[int, PolicyState]:
+        """Pool id -> the KV policy it runs under (for the KVShareNode)."""
+        with self._lock:
+            return self._pod_policies.states()
+
     def set_health(self, gpu_uuid: str, healthy: bool) -> None:
         """A GPU's health changed (from the inventory)."""
         with self._lock:
@@ -289,6 +310,7 @@ class Broker:
                         self._process_exited(key.fd)
                     elif kind == "wake":
                         _drain(self._wake_r)
+                        self._apply_pod_policies()
                 except Exception:
                     # One bad event must never take the broker down.
                     log.exception("broker: unexpected error handling %s event", kind)
@@ -407,6 +429,10 @@ class Broker:
             return
         with self._lock:
             admission = self._books.admit(hello, conn.peer.pid, now)
+            if admission.record is not None:
+                admission.sends.extend(
+                    self._pod_policies.admitted(self._books, admission.record, now)
+                )
         record = admission.record
         if record is None:
             self._refuse(conn, admission.reason)
@@ -422,6 +448,16 @@ class Broker:
         self._pool_conns[record.id] = conn
         if record.id not in self._pool_pidfds:
             self._watch_pid(conn.peer.pid, "pool", record.id)
+        self._remember(record, peers.process_start_time(record.pid))
+        self._save_state()
+        self._send(
+            conn,
+            Welcome(pool_id=record.id, name=record.name, lease=record.lease, kv_max=record.kv_max),
+        )
+        self._deliver(admission.sends)
+
+    def _remember(self, record: PoolRecord, started: int | None) -> None:
+        """What a restarted broker expects pool ``record`` to re-declare."""
         self._admitted[record.id] = (
             ExpectedPool(
                 pid=record.pid,
@@ -430,14 +466,19 @@ class Broker:
                 static=record.static,
                 kv_min=record.kv_min,
             ),
-            peers.process_start_time(record.pid),
+            started,
         )
-        self._save_state()
-        self._send(
-            conn,
-            Welcome(pool_id=record.id, name=record.name, lease=record.lease, kv_max=record.kv_max),
-        )
-        self._deliver(admission.sends)
+
+    def _apply_pod_policies(self) -> None:
+        """Apply the pods' changed KV policies to their pools (loop thread)."""
+        with self._lock:
+            sends, touched = self._pod_policies.apply_changed(self._books, time.monotonic())
+        for record in touched:
+            if record.id in self._admitted:
+                self._remember(record, self._admitted[record.id][1])
+        if touched:
+            self._save_state()
+        self._deliver(sends)
 
     @staticmethod
     def _peer_problem(peer: peers.Peer, hello: Hello) -> str | None:
@@ -618,6 +659,8 @@ class Broker:
         conn = self._pool_conns.pop(pool_id, None)
         if conn is not None:
             self._drop(conn)
+        with self._lock:
+            self._pod_policies.forget_pool(pool_id)
         if self._admitted.pop(pool_id, None) is not None:
             self._save_state()
 

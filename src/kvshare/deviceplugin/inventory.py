@@ -68,6 +68,11 @@ class Inventory(Protocol):
 _FAKE_PART = re.compile(r"^\s*(?:(\d+)\s*[xX]\s*)?(\S+?)\s*$")
 
 
+#: The smallest fake GPU: room for a few pages of a demo's pools (the trace suite runs
+#: scaled-down GPUs, see ``kvshare.demo.suite``).
+_FAKE_GPU_MIN = 256 * 2**20
+
+
 def parse_fake_gpus(spec: str, node: str = "") -> list[GpuInfo]:
     """GPUs declared as ``COUNTxSIZE[,COUNTxSIZE...]`` (``2x80Gi``, ``1x16Gi,1x40Gi``).
 
@@ -84,8 +89,10 @@ def parse_fake_gpus(spec: str, node: str = "") -> list[GpuInfo]:
             size = parse_bytes(match.group(2), field="--fake-gpus")
         except QuantityError as exc:
             raise InventoryError(f"--fake-gpus {spec!r}: {exc}") from None
-        if count < 1 or count > 64 or size < 2**30:
-            raise InventoryError(f"--fake-gpus {spec!r}: each part needs 1-64 GPUs of at least 1Gi")
+        if count < 1 or count > 64 or size < _FAKE_GPU_MIN:
+            raise InventoryError(
+                f"--fake-gpus {spec!r}: each part needs 1-64 GPUs of at least 256Mi"
+            )
         for _ in range(count):
             index = len(gpus)
             fake_uuid = uuidlib.uuid5(uuidlib.NAMESPACE_URL, f"kvshare-fake-gpu:{node}:{index}")

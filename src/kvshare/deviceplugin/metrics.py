@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import sys
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -221,6 +221,16 @@ class NodeMetrics(BrokerEvents):
             (0.0005, 0.001, 0.002, 0.005, 0.01, 0.05, 0.1, 1),
             "resource",
         )
+        self.device_plugin_conflict = Gauge(
+            "kvshare_node_device_plugin_conflict",
+            "GPUs (or slices) another device plugin advertises on this node for the GPUs "
+            "kvshare serves, by resource (e.g. nvidia.com/gpu): above 0 they are handed "
+            "out twice.",
+            ("resource",),
+            registry=self.registry,
+        )
+        self.labelnames["kvshare_node_device_plugin_conflict"] = ("resource",)
+        self._conflicting: set[str] = set()  # resources the gauge has a series for
         self.kvsharenode_writes = self._counter(
             "kvshare_kvsharenode_writes",
             "KVShareNode writes to the Kubernetes API, by result.",
@@ -239,6 +249,12 @@ class NodeMetrics(BrokerEvents):
     ) -> Histogram:
         self.labelnames[name] = labels
         return Histogram(name, documentation, labels, buckets=buckets, registry=self.registry)
+
+    def set_device_plugin_conflict(self, found: Mapping[str, int]) -> None:
+        """Set the conflict gauge: ``found`` maps resources to their count (0 elsewhere)."""
+        self._conflicting |= {"nvidia.com/gpu", *found}
+        for resource in self._conflicting:
+            self.device_plugin_conflict.labels(resource).set(found.get(resource, 0))
 
     def set_source(self, source: Callable[[], BooksView | None], gpus: Iterable[str]) -> None:
         """Where the per-GPU and per-pool gauges come from (the broker's view), and the

@@ -8,9 +8,20 @@ import signal
 import socket
 import threading
 from pathlib import Path
+from typing import Any
 
 from kvshare.api import env, names
 from kvshare.api.quantity import QuantityError, parse_bytes
+from kvshare.deviceplugin.node_config import (
+    DEFAULT_CONFIG,
+    DEFAULT_LABEL,
+    NodeConfigError,
+    NodeSettings,
+    SelectedConfig,
+    load_config_file,
+    select,
+)
+from kvshare.deviceplugin.policy import DEFAULT_POLICY, POLICIES
 
 log = logging.getLogger(__name__)
 
@@ -31,19 +42,33 @@ def _address(text: str) -> tuple[str, int]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The node agent's options."""
+    config = parser.add_argument_group(
+        "per-node configuration",
+        "settings marked (*) may come from a named configuration chosen by a Node label; "
+        "a flag given on the command line wins over it",
+    )
+    config.add_argument(
+        "--config", type=Path, metavar="FILE",
+        help="YAML file of configurations: default, and configs by name (the chart's "
+        "nodeAgent.configs); read once at start",
+    )  # fmt: skip
+    config.add_argument(
+        "--config-label", default=DEFAULT_LABEL, metavar="KEY",
+        help=f"Node label naming this node's configuration (default {DEFAULT_LABEL})",
+    )  # fmt: skip
     gpus = parser.add_argument_group("GPUs")
     gpus.add_argument(
         "--fake-gpus",
         metavar="SPEC",
-        help="declare GPUs backed by host memory instead of NVML, e.g. 2x80Gi (host backend)",
+        help="(*) declare GPUs backed by host memory instead of NVML, e.g. 2x80Gi (host backend)",
     )
     gpus.add_argument(
-        "--headroom", type=_size, default=512 * 2**20, metavar="SIZE",
-        help="memory kept back on every GPU (default 512Mi)",
+        "--headroom", type=_size, metavar="SIZE",
+        help="(*) memory kept back on every GPU (default 512Mi)",
     )  # fmt: skip
     gpus.add_argument(
-        "--slots-per-gpu", type=int, default=8, metavar="N",
-        help=f"{names.RESOURCE_GPU} slots each GPU advertises (default 8)",
+        "--slots-per-gpu", type=int, metavar="N",
+        help=f"(*) {names.RESOURCE_GPU} slots each GPU advertises (default 8)",
     )  # fmt: skip
     broker = parser.add_argument_group("broker")
     broker.add_argument(
@@ -60,8 +85,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="restart file of the broker (default: broker.state next to the broker)",
     )  # fmt: skip
     broker.add_argument(
-        "--reclaim-deadline", type=float, default=10.0, metavar="SECONDS",
-        help="time a pool has to release reclaimed memory before it is reported (default 10)",
+        "--broker-policy", choices=sorted(POLICIES), default=DEFAULT_POLICY, metavar="NAME",
+        help=f"who gets memory and what is reclaimed from whom: {', '.join(sorted(POLICIES))} "
+        f"(default {DEFAULT_POLICY})",
+    )  # fmt: skip
+    broker.add_argument(
+        "--reclaim-deadline", type=float, metavar="SECONDS",
+        help="(*) time a pool has to release reclaimed memory before it is reported "
+        "(default 10)",
     )  # fmt: skip
     broker.add_argument(
         "--startup-hold", type=float, default=600.0, metavar="SECONDS",
@@ -105,20 +136,58 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
+def _settings(args: argparse.Namespace, node_name: str) -> tuple[dict[str, Any], SelectedConfig]:
+    """AgentConfig fields from the flags over the node's configuration (if any), and the
+    configuration chosen. Raises NodeConfigError for a file that cannot be used."""
+    from kvshare.deviceplugin.agent import kube_api_client
+    from kvshare.deviceplugin.node_checks import read_node
+
+    selected = SelectedConfig(DEFAULT_CONFIG, NodeSettings())
+    if args.config is not None:
+        file = load_config_file(args.config)
+        api = kube_api_client(args.kubeconfig) if not args.no_kube else None
+        facts = read_node(api, node_name) if api is not None else None
+        selected = select(file, dict(facts.labels) if facts else None, args.config_label)
+        if selected.problem:
+            log.error("%s", selected.problem)
+        log.info("node configuration %r from %s", selected.name, args.config)
+    # Flags are checked where they are used (the inventory names --fake-gpus itself).
+    flags = NodeSettings.model_construct(
+        slots_per_gpu=args.slots_per_gpu,
+        headroom=args.headroom,
+        reclaim_deadline_seconds=args.reclaim_deadline,
+        fake_gpus=args.fake_gpus,
+    )
+    settings = flags.over(selected.settings)
+    fields = {
+        "slots_per_gpu": settings.slots_per_gpu,
+        "headroom": settings.headroom,
+        "reclaim_deadline_s": settings.reclaim_deadline_seconds,
+        "fake_gpus": settings.fake_gpus or None,
+    }
+    return {k: v for k, v in fields.items() if v is not None}, selected
+
+
 def run(args: argparse.Namespace) -> int:
     """Run until SIGTERM or SIGINT; 1 when an essential part cannot start."""
     from kvshare.deviceplugin.agent import AgentConfig, NodeAgent
     from kvshare.deviceplugin.broker import BrokerError
     from kvshare.deviceplugin.inventory import InventoryError
 
+    node_name = args.node_name or socket.gethostname()
+    try:
+        settings, selected = _settings(args, node_name)
+    except NodeConfigError as exc:
+        log.error("kvshare node cannot start: %s", exc)
+        return 1
     config = AgentConfig.for_broker(
-        args.node_name or socket.gethostname(),
+        node_name,
         args.broker_socket or Path(env.BROKER_SOCKET.require()),
         admin_socket=args.admin_socket,
         state_file=args.state_file,
-        fake_gpus=args.fake_gpus,
-        headroom=args.headroom,
-        slots_per_gpu=args.slots_per_gpu,
+        node_config=selected.name if args.config is not None else None,
+        node_config_problem=selected.problem,
+        **settings,
         device_plugin_dir=args.device_plugin_dir,
         metrics_host=args.metrics_address[0],
         metrics_port=args.metrics_address[1],
@@ -126,7 +195,7 @@ def run(args: argparse.Namespace) -> int:
         use_kube=not args.no_kube,
         kubeconfig=args.kubeconfig,
         publish_interval_s=args.publish_interval,
-        reclaim_deadline_s=args.reclaim_deadline,
+        broker_policy=args.broker_policy,
         startup_hold_s=args.startup_hold,
         recovery_s=args.recovery,
         audit_interval_s=args.audit_interval,

@@ -9,6 +9,9 @@ the must-include slots' GPUs. A pod's plan is handed out once (then held for
 ``claim_ttl_s``, in case the kubelet does not follow up), so two pods with the same
 request size get their own plans. When nothing matches, the caller falls back to
 placement.
+
+The same watch feeds other consumers of this node's pods (``on_pod``): the in-place KV
+policies of :mod:`kvshare.deviceplugin.pod_policies`.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import datetime
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,9 +98,17 @@ def planned_pod(pod: Any, node: str) -> PlannedPod | None:
 class PendingPods:
     """Watches this node's pods and hands out planned GPUs (see the module docstring)."""
 
-    def __init__(self, api_client: Any, node: str, claim_ttl_s: float = 120.0) -> None:
+    def __init__(
+        self,
+        api_client: Any,
+        node: str,
+        claim_ttl_s: float = 120.0,
+        on_pod: Callable[[str, Any], None] | None = None,
+    ) -> None:
+        """``on_pod(event type, pod)`` is called for every event of a pod on ``node``."""
         self._api_client = api_client
         self._node = node
+        self._on_pod = on_pod
         self._claim_ttl = claim_ttl_s
         self._lock = threading.Lock()  # guards _pods and _claimed
         self._pods: dict[str, PlannedPod] = {}
@@ -143,6 +155,14 @@ class PendingPods:
         return None
 
     def _update(self, kind: str, pod: Any) -> None:
+        if self._on_pod is not None and self._node in (
+            _get(pod, "spec", "node_name"),
+            _get(pod, "spec", "nodeName"),
+        ):
+            try:
+                self._on_pod(kind, pod)
+            except Exception:  # one consumer's bug must not stop the watch
+                log.exception("handling pod %s failed", _get(pod, "metadata", "name"))
         uid = str(_get(pod, "metadata", "uid") or _get(pod, "metadata", "name"))
         plan = planned_pod(pod, self._node) if kind != "DELETED" else None
         with self._lock:

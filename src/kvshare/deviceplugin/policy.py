@@ -7,10 +7,11 @@ a :class:`Policy` two questions, each with a frozen snapshot of one GPU
 (:class:`GpuState`):
 
 - :meth:`Policy.grants` — which pools to grow now, to what, in what order. Asked when a
-  pool asks for more (``asking`` is its id) and whenever memory came free (``asking`` is
-  None: serve whoever waits). The books apply each grant in order, as far as unleased
-  memory (less what a waiting start-up turn needs) allows, and never beyond what the pool
-  may hold (its kv max; its floor on a GPU that is draining or unhealthy).
+  pool asks for more (``asking`` is its id), and whenever memory came free or a report
+  moved while pools wait (``asking`` is None: serve whoever waits). The books apply each
+  grant in order, as far as unleased memory (less what a waiting start-up turn needs)
+  allows, and never beyond what the pool may hold (its kv max; its floor on a GPU that
+  is draining or unhealthy).
 - :meth:`Policy.reclaims` — which pools to ask for memory back, and down to what. Asked
   after every change that may leave a pool waiting. The books send each reclaim whose
   target is below the pool's lease (raised to the pool's floor and page-aligned), and
@@ -20,8 +21,33 @@ a :class:`Policy` two questions, each with a frozen snapshot of one GPU
 A policy holds no books of its own and mutates nothing it is given; it may keep its own
 estimates (of demand, say) keyed by pool id.
 
-:class:`FairShare` is the default policy (below); :data:`POLICIES` names every policy the
-node agent can run (``kvshare node --broker-policy``).
+:data:`POLICIES` names every policy the node agent can run (``kvshare node
+--broker-policy``); :class:`Entitlement` is its default (:data:`DEFAULT_POLICY`),
+:class:`FairShare` the policy before it. ``python -m kvshare.demo.elastic_sim`` runs them
+against the trace suite in simulated time, and ``bench/run.py elastic-suite`` with real
+processes.
+
+Entitlement
+-----------
+Every pool is *entitled* to a weighted equal share of the GPU (weight ``priority + 1``,
+at least its floor): what it gets back whatever the others need. Memory is lent freely;
+what is taken back, and from whom, follows from what comes back fast and what does not:
+
+- *idle lease* (what a pool does not use, its ready pages included) comes back within a
+  round trip, so it is taken from any pool that is not short for any pool that is — except
+  what a pool asked for a moment ago (it may not have reported using it yet), and, below
+  its entitlement, headroom above what it uses (a tenth of its entitlement), so that a
+  quiet model's next requests start at once rather than after a reclaim from a busy one;
+- *memory in use* comes back only as its requests finish, so it is taken only for a pool
+  below its entitlement, and only from pools above theirs, down to no less than their
+  entitlement: pools that both hold their share do not churn each other's blocks.
+- An ask outlives the need (pools never say they want less): a pool still short says so
+  again every second or so, and an ask not heard again for ``fresh_s`` (1.5 s) no longer
+  counts.
+
+Measured against :class:`FairShare` on the trace suite (``bench/run.py elastic-suite``,
+``python -m kvshare.demo.elastic_sim``), it gains more of what sharing allows and keeps
+quiet tenants near their static service; the numbers are in BENCHMARKS.md.
 
 FairShare
 ---------
@@ -54,7 +80,17 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
-__all__ = ["POLICIES", "FairShare", "GpuState", "Policy", "PoolState", "fair_shares", "policy"]
+__all__ = [
+    "DEFAULT_POLICY",
+    "POLICIES",
+    "Entitlement",
+    "FairShare",
+    "GpuState",
+    "Policy",
+    "PoolState",
+    "fair_shares",
+    "policy_named",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +123,9 @@ class PoolState:
     """Of that, in blocks kept only as prefix cache (evictable)."""
     waiting_since: float | None
     """Since when it has waited for more than its lease (None: not waiting)."""
+    wanted_at: float | None
+    """When it last asked for more (a pool still short says so again every second or
+    so)."""
     reclaim_target: int | None
     """The target of its unacknowledged reclaim, if any."""
     reclaim_overdue: bool
@@ -216,10 +255,7 @@ class FairShare:
         for pool in waiters:
             entitled = min(pool.cap, max(fair[pool.id], pool.floor))
             shortfall += max(0, entitled - pool.lease)
-        incoming = 0
-        for pool in gpu.pools:
-            if pool.reclaim_target is not None and not pool.reclaim_overdue:
-                incoming += max(0, pool.charge - max(pool.floor, pool.reclaim_target))
+        incoming = _incoming(gpu)
         # Idle lease is taken for everything the waiters are short of, even what pending
         # reclaims will bring: it costs its holder nothing and comes back at once, while
         # memory in use comes back only as its requests finish.
@@ -259,11 +295,132 @@ class FairShare:
         return {p.id: targets[p.id] for p in victims if targets[p.id] < p.lease}
 
 
+def _incoming(gpu: GpuState) -> int:
+    """What the reclaims still pending (and within their deadline) will bring back."""
+    return sum(
+        max(0, p.charge - max(p.floor, p.reclaim_target))
+        for p in gpu.pools
+        if p.reclaim_target is not None and not p.reclaim_overdue
+    )
+
+
+class Entitlement:
+    """Lend what is idle; take memory in use back only for a pool below its entitlement
+    (see the module doc)."""
+
+    name = "entitlement"
+
+    def __init__(self, *, fresh_s: float = 1.5, headroom_share: float = 0.1) -> None:
+        self.fresh_s = fresh_s
+        self.headroom_share = headroom_share
+
+    def fresh(self, pool: PoolState, now: float) -> bool:
+        """Whether the pool's ask still stands. An ask outlives the need: a pool still
+        short says so again every second or so, so an ask not heard again for ``fresh_s``
+        is one the pool no longer needs."""
+        return pool.wanted_at is not None and now - pool.wanted_at <= self.fresh_s
+
+    def short(self, pool: PoolState, now: float) -> bool:
+        """Whether the pool waits for more: it asks for more than its lease, freshly."""
+        return pool.waiting and self.fresh(pool, now)
+
+    def entitlements(self, gpu: GpuState) -> dict[int, int]:
+        """Each pool's weighted equal share of what the pools may hold (at least its
+        floor): what it gets back whatever the others need."""
+        capacity = gpu.budget - gpu.turn_need - gpu.reserved
+        total = sum(p.priority + 1 for p in gpu.pools) or 1
+        return {
+            p.id: _align_up(max(p.floor, capacity * (p.priority + 1) // total), p.page)
+            for p in gpu.pools
+        }
+
+    def grants(self, gpu: GpuState, asking: int | None) -> list[tuple[int, int]]:
+        if asking is not None:
+            pool = next(p for p in gpu.pools if p.id == asking)
+            return [(pool.id, pool.cap)]
+        entitled = self.entitlements(gpu)
+        waiters = sorted(
+            (p for p in gpu.pools if self.short(p, gpu.now)),
+            key=lambda p: (
+                p.lease >= entitled[p.id],
+                -p.priority,
+                p.waiting_since or gpu.now,
+                p.id,
+            ),
+        )
+        # Up to the entitlement first, then what each asked, in the same order.
+        first = [(p.id, min(p.cap, max(entitled[p.id], p.lease))) for p in waiters]
+        return first + [(p.id, p.cap) for p in waiters]
+
+    def reclaims(self, gpu: GpuState) -> dict[int, int]:
+        if gpu.draining:
+            return {p.id: p.floor for p in gpu.pools if p.lease > p.floor}
+        entitled = self.entitlements(gpu)
+        short = [p for p in gpu.pools if self.short(p, gpu.now)]
+        # Idle lease is taken for everything short pools ask: it costs its holder nothing
+        # and comes back within a round trip.
+        idle_need = gpu.turn_need + sum(p.cap - p.lease for p in short) - gpu.unleased
+        # Memory in use comes back only as its requests finish, and only for a pool below
+        # its entitlement (and an engine waiting to start).
+        owed = sum(max(0, min(p.cap, entitled[p.id]) - p.lease) for p in short)
+        busy_need = gpu.turn_need + owed - gpu.unleased - _incoming(gpu)
+        if idle_need <= 0 and busy_need <= 0:
+            return {}
+        leases = {p.id: p.lease for p in gpu.pools}
+        targets = {p.id: p.lease for p in gpu.pools if not p.reclaim_overdue}
+        short_ids = {p.id for p in short}
+        # Pass 1, idle lease of the pools that are not short, lowest priority and most idle
+        # first: each keeps what it uses (its ready pages are idle too), what it asked for
+        # a moment ago (it may not have reported using it yet), and below its entitlement
+        # headroom for its next requests, so that they start at once rather than after a
+        # reclaim from a busy pool.
+        idle = sorted(
+            (p for p in gpu.pools if p.id in targets and p.id not in short_ids),
+            key=lambda p: (p.priority, -(p.lease - p.used), p.id),
+        )
+        for pool in idle:
+            if idle_need <= 0:
+                break
+            keep = max(pool.floor, pool.used)
+            if self.fresh(pool, gpu.now):
+                keep = max(keep, min(pool.lease, pool.want))
+            if pool.lease <= entitled[pool.id]:
+                headroom = int(entitled[pool.id] * self.headroom_share)
+                keep = max(keep, min(entitled[pool.id], pool.used + headroom))
+            keep = _align_up(keep, pool.page)
+            take = min(targets[pool.id] - keep, _align_up(idle_need, pool.page))
+            if take > 0:
+                targets[pool.id] -= take
+                idle_need -= take
+                busy_need -= take
+        # Pass 2, memory held above an entitlement, lowest priority and most above first.
+        borrowers = sorted(
+            (p for p in gpu.pools if p.id in targets and targets[p.id] > entitled[p.id]),
+            key=lambda p: (p.priority, -(targets[p.id] - entitled[p.id]), p.id),
+        )
+        for pool in borrowers:
+            if busy_need <= 0:
+                break
+            keep = max(entitled[pool.id], _align_up(pool.floor, pool.page))
+            take = min(targets[pool.id] - keep, _align_up(busy_need, pool.page))
+            if take > 0:
+                targets[pool.id] -= take
+                busy_need -= take
+        return {pid: t for pid, t in targets.items() if t < leases[pid]}
+
+
 #: Every policy the node agent can run, by name.
-POLICIES: dict[str, type[FairShare]] = {FairShare.name: FairShare}
+POLICIES: dict[str, type[FairShare] | type[Entitlement]] = {
+    FairShare.name: FairShare,
+    Entitlement.name: Entitlement,
+}
 
 
-def policy(name: str) -> Policy:
+#: The policy the node agent runs unless told otherwise.
+DEFAULT_POLICY = Entitlement.name
+
+
+def policy_named(name: str) -> Policy:
     """A fresh instance of the policy called ``name``; ValueError names the known ones."""
     try:
         return POLICIES[name]()

@@ -12,14 +12,16 @@ from __future__ import annotations
 import datetime
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from kvshare import __version__
 from kvshare.api import names
+from kvshare.api.kube import Condition
 from kvshare.api.kvsharenode import GpuStatus, KVShareNodeSpec, KVShareNodeStatus, PoolStatus
 from kvshare.deviceplugin.metrics import NodeMetrics
+from kvshare.deviceplugin.pod_policies import PolicyState
 from kvshare.deviceplugin.views import BooksView, PoolView
 
 __all__ = ["RBAC_RULES", "KVShareNodePublisher", "PolicyRule", "status_from_view"]
@@ -51,14 +53,18 @@ RBAC_RULES: tuple[PolicyRule, ...] = (
     PolicyRule((names.GROUP,), (names.KVSHARENODE_PLURAL,), ("get", "create")),
     # Write its status.
     PolicyRule((names.GROUP,), (f"{names.KVSHARENODE_PLURAL}/status",), ("get", "patch")),
-    # The Node's uid, for the KVShareNode's owner reference.
+    # The Node: its uid (the KVShareNode's owner), labels (the configuration to run) and
+    # allocatable (another device plugin serving the same GPUs).
     PolicyRule(("",), ("nodes",), ("get",)),
     # Pending pods on this node and their planned GPUs (preferred allocations).
     PolicyRule(("",), ("pods",), ("list", "watch")),
+    # Warnings about the Node (another device plugin hands out its GPUs, an unknown
+    # configuration named by its label).
+    PolicyRule(("",), ("events",), ("create",)),
 )
 
 
-def _pool_status(pool: PoolView) -> PoolStatus:
+def _pool_status(pool: PoolView, policy: PolicyState | None) -> PoolStatus:
     return PoolStatus(
         namespace=pool.namespace[:63],
         pod=(pool.pod or pool.name)[:253],
@@ -71,14 +77,25 @@ def _pool_status(pool: PoolView) -> PoolStatus:
         kv_min=pool.kv_min,
         kv_max=pool.kv_max,
         lease=pool.lease,
+        want=pool.want,
         mapped=pool.mapped,
         used=pool.used,
         over_lease=pool.over_lease,
+        policy=policy.policy if policy else "",
+        policy_refused=policy.refused if policy else "",
+        policy_message=policy.message[:512] if policy else "",
     )
 
 
 def status_from_view(
-    view: BooksView, backend: str, slots_per_gpu: int, observed_at: str | None = None
+    view: BooksView,
+    backend: str,
+    slots_per_gpu: int,
+    observed_at: str | None = None,
+    *,
+    node_config: str | None = None,
+    conditions: Sequence[Condition] = (),
+    policies: Mapping[int, PolicyState] | None = None,
 ) -> KVShareNodeStatus:
     """The KVShareNode status for the books in ``view``.
 
@@ -106,7 +123,7 @@ def status_from_view(
                 free=max(gpu.free, 0),
                 slots=slots_per_gpu,
                 slots_used=min(len(workers), slots_per_gpu),
-                pools=[_pool_status(p) for p in pools[:256]],
+                pools=[_pool_status(p, (policies or {}).get(p.id)) for p in pools[:256]],
             )
         )
     return KVShareNodeStatus(
@@ -117,6 +134,8 @@ def status_from_view(
         pool_count=len(view.pools),
         free=sum(g.free for g in gpus),
         gpus=gpus,
+        node_config=node_config,
+        conditions=list(conditions),
     )
 
 

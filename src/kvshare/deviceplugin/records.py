@@ -103,6 +103,9 @@ class PendingReclaim:
     issued_at: float
     deadline: float
     overdue: bool = False
+    for_waiters: bool = False
+    """Issued only because other pools waited (not for a lowered max, a drain, an engine
+    starting or an over-committed GPU): called off when nobody waits any more."""
 
 
 @dataclass(eq=False)
@@ -118,10 +121,15 @@ class PoolRecord:
     admitted_at: float
     lease: int = 0
     want: int = 0
+    asked: int = 0
+    """What the pool last asked for, before its kv max capped it (a raised max serves it)."""
     usage: Report = NO_USAGE
     reclaim: PendingReclaim | None = None
     charge: int = 0
     waiting_since: float | None = None
+    wanted_at: float | None = None
+    """When the pool last asked for more (pools say an unmet ask again, see
+    :mod:`kvshare.runtime.lease_conversation`)."""
     orphaned_at: float | None = None
     orphan_deadline: float = 0.0
     device_bytes: int | None = None
@@ -238,6 +246,8 @@ class GpuRecord:
     healthy: bool = True
     turn: Turn | None = None
     queue: deque[TurnWaiter] = field(default_factory=deque)
+    forming: int = 0
+    """Ranks of tensor-parallel groups that wait here for their peers to ask."""
     static_sum: int = 0
     """Static footprints of pools and of the start-up turn's reservation."""
     min_sum: int = 0
@@ -310,6 +320,7 @@ class GpuRecord:
                 used=p.usage.used,
                 cached=p.usage.cached,
                 waiting_since=p.waiting_since,
+                wanted_at=p.wanted_at,
                 reclaim_target=p.reclaim.target if p.reclaim else None,
                 reclaim_overdue=bool(p.reclaim and p.reclaim.overdue),
             )
@@ -347,5 +358,5 @@ class GpuRecord:
             unleased=self.unleased,
             pools=len(self.pools),
             turn_holder=f"pid {turn.waiter.pid}" if turn else "",
-            turn_waiting=len(self.queue),
+            turn_waiting=len(self.queue) + self.forming,
         )

@@ -74,6 +74,7 @@ class GpuView:
     pools: int
     turn_holder: str
     turn_waiting: int
+    """Engines waiting for its start-up turn (ranks waiting for their group's peers too)."""
 
 
 @dataclass(frozen=True, slots=True)

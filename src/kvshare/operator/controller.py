@@ -20,8 +20,10 @@ from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
+from kvshare.api import names
 from kvshare.api.kube import SpecError, validate
 from kvshare.api.modelserver import EngineVersionError, ModelServerSpec
+from kvshare.api.placement import Placement
 from kvshare.api.quantity import format_bytes_human
 from kvshare.operator.backoff import FailureBackoff, ReplicaFailures
 from kvshare.operator.capacity import Capacity, build_capacity, group_of
@@ -33,14 +35,25 @@ from kvshare.operator.client import (
     services_path,
 )
 from kvshare.operator.expectations import Expectations
+from kvshare.operator.inplace import (
+    ReplicaPolicy,
+    WantedPolicy,
+    pods_to_annotate,
+    refused_replicas,
+    replica_policies,
+    wanted_policy,
+)
 from kvshare.operator.keyed import KeyedRunner
 from kvshare.operator.metrics import ModelServerSample, OperatorMetrics
 from kvshare.operator.plan import Create, Delete, Plan, desired_replicas, plan_replicas
+from kvshare.operator.quota import QuotaRefusal, QuotaView, quota_refusal
 from kvshare.operator.render import (
     RuntimeImage,
     endpoint,
+    pod_selector,
     render_pod,
     render_service,
+    selector_string,
     template_hash,
 )
 from kvshare.operator.status import (
@@ -50,6 +63,7 @@ from kvshare.operator.status import (
     compute_status,
     condition_events,
     kv_usage,
+    placement_events,
     with_problem,
 )
 from kvshare.operator.views import (
@@ -82,6 +96,8 @@ class Caches:
     pods_by_node: Mapping[str, Collection[ModelServerKey]]
     nodes: Mapping[str, Collection[NodeView]]
     gpu_nodes: Mapping[str, Collection[GpuNodeView]]
+    quotas: Mapping[tuple[str, str], Collection[QuotaView]]
+    """ResourceQuotas by (namespace, name)."""
 
     def modelserver(self, key: ModelServerKey) -> ModelServerRef | None:
         return next(iter(self.modelservers.get(key, ())), None)
@@ -94,6 +110,9 @@ class Caches:
 
     def all_pods(self) -> list[PodView]:
         return [pod for pods in self.pods.values() for pod in pods]
+
+    def quota(self, namespace: str, name: str) -> QuotaView | None:
+        return next(iter(self.quotas.get((namespace, name), ())), None)
 
 
 def _now() -> str:
@@ -187,6 +206,12 @@ class Controller:
         # The status last written: newer than the index until the watch event arrives.
         self._statuses: dict[ModelServerKey, dict[str, Any]] = {}
         self._waiting_for_capacity: set[ModelServerKey] = set()
+        # The KV-policy annotation last written, and the pods (by uid) given it.
+        self._annotated: dict[ModelServerKey, tuple[str, set[str]]] = {}
+        # The last pod refused for an exhausted namespace quota while replicas are missing,
+        # and the quota as the watch showed it then: no pod is created for the ModelServer
+        # until the quota changes and has room for it.
+        self._quota_waits: dict[ModelServerKey, tuple[QuotaRefusal, QuotaView | None]] = {}
         self._node_views: dict[str, NodeView] = {}
         # A reconcile due when a held-back replica may be replaced: nothing else may happen
         # to the ModelServer until then, so no watch event would bring it.
@@ -212,6 +237,8 @@ class Controller:
         self._services.pop(key, None)
         self._statuses.pop(key, None)
         self._waiting_for_capacity.discard(key)
+        self._quota_waits.pop(key, None)
+        self._annotated.pop(key, None)
         self.backoff.forget(key)
         self._wake_later(key, None)
         self.metrics.forget(key)
@@ -257,6 +284,14 @@ class Controller:
         (their KV usage) and those waiting for capacity."""
         return set(caches.pods_by_node.get(node, ())) | self._waiting_for_capacity
 
+    def affected_by_quota(self, namespace: str | None, name: str) -> set[ModelServerKey]:
+        """ModelServers a ResourceQuota change matters to: those refused by it."""
+        return {
+            key
+            for key, (refusal, _) in self._quota_waits.items()
+            if key[0] == namespace and refusal.quota == name
+        }
+
     def affected_by_node(self, view: NodeView) -> set[ModelServerKey]:
         """ModelServers a Node change matters to: those waiting for capacity, and only
         when what placement reads (labels, taints, cordon) changed."""
@@ -289,18 +324,6 @@ class Controller:
         events: list[Event] = []
         plan = None
         failures = ReplicaFailures()
-        if spec is not None and problem is None:
-            template = template_hash(spec)
-            failures = self.backoff.observe(ms.key, pods, template, spec.replicas)
-            plan = plan_replicas(
-                desired_replicas(ms.namespace, ms.name, spec, template),
-                pods,
-                lambda: self._capacity(caches),
-                failures.held,
-            )
-            self._count_placements(plan)
-            pods, problem = await self._execute(ms, spec, plan, pods, events)
-            problem = await self._ensure_service(ms, spec) or problem
         pools = [
             pool
             for view in caches.gpu_node_views()
@@ -308,14 +331,36 @@ class Controller:
             for pool in gpu.pools
             if pool.namespace == ms.namespace and pool.modelserver == ms.name
         ]
+        policies: dict[int, ReplicaPolicy] = {}
+        if spec is not None and problem is None:
+            template = template_hash(spec)
+            wanted = wanted_policy(spec.kv_cache)
+            failures = self.backoff.observe(ms.key, pods, template, spec.replicas)
+            plan = plan_replicas(
+                desired_replicas(ms.namespace, ms.name, spec, template),
+                pods,
+                lambda: self._capacity(caches),
+                failures.held,
+                refused_replicas(replica_policies(pods, pools, wanted)),
+            )
+            plan = self._hold_for_quota(ms.key, plan, caches)
+            self._count_placements(plan)
+            pods, problem = await self._execute(ms, spec, plan, pods, events)
+            problem = await self._ensure_service(ms, spec) or problem
+            await self._annotate(ms, pods, wanted, events)
+            policies = replica_policies(pods, pools, wanted)
+        refused = self._quota_waits.get(ms.key, (None, None))[0]
         observation = Observation(
             generation=ms.generation,
             desired=spec.replicas if spec is not None else _raw_replicas(ms),
             pods=pods,
             plan=plan,
             problem=problem,
+            quota=refused.describe() if refused is not None else None,
+            kv_policy=policies,
             kv=kv_usage(pools),
             endpoint=endpoint(ms, spec) if spec is not None else None,
+            selector=selector_string(pod_selector(ms)),
             failing=failures.failing,
             namespace=ms.namespace,
             missing_refs=_missing_refs(ms, spec, caches) if spec is not None else None,
@@ -324,6 +369,7 @@ class Controller:
         self._track_capacity_wait(ms.key, plan)
         self._wake_later(ms.key, failures.wake_in)
         events += condition_events(previous.get("conditions") or [], status["conditions"])
+        events += placement_events(previous.get("placements") or [], status["placements"])
         events += self._scale_event(previous, spec)
         if status != previous:
             await self.api.merge_patch(
@@ -345,6 +391,49 @@ class Controller:
             log.info("%s/%s: %s: %s", ms.namespace, ms.name, event.reason, event.message)
             self._emit(ms, event)
 
+    async def _annotate(
+        self, ms: ModelServerRef, pods: list[PodView], wanted: WantedPolicy, events: list[Event]
+    ) -> None:
+        """Write the current KV policy into the pods that do not carry it: the node agent
+        applies it to their pools in place."""
+        # Pods patched already, until the watch shows the annotation: not patched twice.
+        done = self._annotated.get(ms.key)
+        if done is None or done[0] != wanted.annotation:
+            done = self._annotated[ms.key] = (wanted.annotation, set())
+        done[1].difference_update(p.uid for p in pods if p.kv_policy == wanted.annotation)
+        stale = [p for p in pods_to_annotate(pods, wanted) if p.uid not in done[1]]
+        patch = {"metadata": {"annotations": {names.ANNOTATION_KV_POLICY: wanted.annotation}}}
+        patched = []
+        for pod in stale:
+            if await self.api.merge_patch(pods_path(ms.namespace, pod.name), patch) is not None:
+                done[1].add(pod.uid)
+                patched.append(pod.name)
+        if patched:
+            events.append(
+                Event(
+                    "Normal",
+                    "KVPolicyChanged",
+                    f"applying kvCache {wanted.description} in place to {len(patched)} "
+                    f"replica(s): {', '.join(patched[:5])}",
+                )
+            )
+
+    def _kv_capacity(
+        self, caches: Caches, spec: ModelServerSpec, placement: Placement
+    ) -> int | None:
+        """The most KV cache per worker the replica's GPUs could ever lend it (the pool's
+        virtual size, up to which kvCache.max can be raised in place)."""
+        usable = [
+            gpu.total - gpu.headroom
+            for view in caches.gpu_node_views()
+            if view.node == placement.node
+            for gpu in view.status.gpus
+            if gpu.uuid in placement.gpus
+        ]
+        if len(usable) != len(placement.gpus) or not usable:
+            return None
+        return max(min(usable) - spec.static_bytes_per_worker(), spec.kv_cache.min)
+
     def _capacity(self, caches: Caches) -> Capacity:
         avoid = {}
         for refs in caches.modelservers.values():
@@ -359,6 +448,21 @@ class Controller:
             self.expectations.overlay(caches.all_pods()),
             avoid,
         )
+
+    def _hold_for_quota(self, key: ModelServerKey, plan: Plan, caches: Caches) -> Plan:
+        """``plan`` without its creates while the quota that refused the last one still
+        has no room for it; a quota change brings the next try (never a loop)."""
+        wait = self._quota_waits.get(key)
+        if wait is None:
+            return plan
+        if not plan.creates:  # nothing missing any more: nothing waits for quota
+            del self._quota_waits[key]
+            return plan
+        refusal, seen = wait
+        quota = caches.quota(key[0], refusal.quota)
+        if quota != seen and (quota is None or quota.has_room(refusal)):
+            return plan  # try again; a refusal with the new numbers holds it back again
+        return replace(plan, creates=())
 
     def _wake_later(self, key: ModelServerKey, delay: float | None) -> None:
         """Reconcile ``key`` again in ``delay`` seconds (``None``: not on a timer)."""
@@ -400,6 +504,7 @@ class Controller:
         """Carry out ``plan``; the pods as they are now, and a refusal by the API, if any."""
         current = {p.name: p for p in pods}
         template = template_hash(spec)
+        caches = self._caches
         bodies = [
             render_pod(
                 ms,
@@ -408,6 +513,7 @@ class Controller:
                 placement=create.placement,
                 template=template,
                 runtime=self.runtime,
+                kv_capacity=(self._kv_capacity(caches, spec, create.placement) if caches else None),
             )
             for create in plan.creates
         ]
@@ -430,9 +536,16 @@ class Controller:
                 except ApiError as exc:
                     if exc.retriable:
                         raise
+                    refusal = quota_refusal(name, exc.status, exc.message)
+                    if refusal is not None:
+                        # The other replicas would meet the same quota: stop here.
+                        seen = caches.quota(ms.namespace, refusal.quota) if caches else None
+                        self._quota_waits[ms.key] = (refusal, seen)
+                        return list(current.values()), None
                     return list(current.values()), Problem(
                         "PodRejected", f"the API server refused pod {name}: {exc.message}"
                     )
+                self._quota_waits.pop(ms.key, None)
                 view = pod_view(created if created is not None else body)
                 if view is None:
                     continue

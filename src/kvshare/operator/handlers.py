@@ -7,6 +7,8 @@
   that appears or goes also reconciles those whose colocation rules name it.
 - A pod event reconciles the pod's ModelServer (readiness, failures, deletions); a pod
   that is gone also frees GPU room, so the ModelServers waiting for capacity retry.
+- A ResourceQuota event reconciles the ModelServers whose last pod it refused (the
+  quota may have room now).
 - A KVShareNode event reconciles the ModelServers with pods on that node (their KV
   usage) and those waiting for GPU capacity; a Node event, only the latter, and only
   when the node's labels, taints or cordon changed.
@@ -19,7 +21,7 @@ on ModelServers: deleting one never waits for the operator.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any, cast
 
 import kopf
@@ -27,11 +29,13 @@ import kopf
 from kvshare.api import names
 from kvshare.operator.connection import connection_info
 from kvshare.operator.controller import Caches, Controller
+from kvshare.operator.quota import QuotaView
 from kvshare.operator.server import HttpEndpoint
 from kvshare.operator.settings import OperatorConfig
 from kvshare.operator.status import Event
 from kvshare.operator.views import (
     GpuNodeView,
+    ModelServerKey,
     ModelServerRef,
     PodView,
     node_view,
@@ -56,6 +60,7 @@ def _caches(kwargs: Mapping[str, Any]) -> Caches:
         pods_by_node=kwargs["kvshare_pods_by_node"],
         nodes=kwargs["kvshare_nodes"],
         gpu_nodes=kwargs["kvshare_gpu_nodes"],
+        quotas=kwargs["kvshare_quotas"],
     )
 
 
@@ -66,6 +71,13 @@ def _post_event(ms: ModelServerRef, event: Event) -> None:
         reason=event.reason,
         message=event.message,
     )
+
+
+async def _reconcile_all(
+    controller: Controller, keys: Iterable[ModelServerKey], caches: Caches
+) -> None:
+    """Reconcile each of ``keys`` (concurrently: runs of one key are serialized anyway)."""
+    await asyncio.gather(*(controller.request(k, caches, _post_event) for k in keys))
 
 
 def build_registry(
@@ -118,6 +130,11 @@ def build_registry(
         view = GpuNodeView.from_body(body)
         return {view.node: view} if view else None
 
+    @kopf.index("v1", "resourcequotas", id="kvshare_quotas", registry=registry)
+    def index_quota(body: kopf.Body, **_: Any) -> dict[tuple[str, str], QuotaView]:
+        view = QuotaView.from_body(body)
+        return {(view.namespace, view.name): view}
+
     # --- events -----------------------------------------------------------------------
 
     @kopf.on.event(*_MODELSERVERS, registry=registry)
@@ -128,29 +145,32 @@ def build_registry(
         if type == "DELETED":
             controller.forget(key)
         caches = _caches(kwargs)
-        keys = controller.affected_by_modelserver(type, key, caches)
-        await asyncio.gather(*(controller.request(k, caches, _post_event) for k in keys))
+        await _reconcile_all(
+            controller, controller.affected_by_modelserver(type, key, caches), caches
+        )
 
     @kopf.on.event("v1", "pods", labels=_OWN_PODS, registry=registry)
     async def pod_changed(
         type: str, namespace: str | None, labels: kopf.Labels, **kwargs: Any
     ) -> None:
-        caches = _caches(kwargs)
         keys = controller.affected_by_pod(type, namespace, labels.get(names.LABEL_MODELSERVER))
-        await asyncio.gather(*(controller.request(k, caches, _post_event) for k in keys))
+        await _reconcile_all(controller, keys, _caches(kwargs))
 
     @kopf.on.event(*_KVSHARENODES, registry=registry)
     async def gpu_node_changed(body: kopf.Body, name: str, **kwargs: Any) -> None:
         caches = _caches(kwargs)
         node = (body.get("spec") or {}).get("nodeName") or name
-        keys = controller.affected_by_gpu_node(node, caches)
-        await asyncio.gather(*(controller.request(k, caches, _post_event) for k in keys))
+        await _reconcile_all(controller, controller.affected_by_gpu_node(node, caches), caches)
+
+    @kopf.on.event("v1", "resourcequotas", registry=registry)
+    async def quota_changed(namespace: str | None, name: str, **kwargs: Any) -> None:
+        keys = controller.affected_by_quota(namespace, name)
+        await _reconcile_all(controller, keys, _caches(kwargs))
 
     @kopf.on.event("v1", "nodes", registry=registry)
     async def node_changed(body: kopf.Body, **kwargs: Any) -> None:
-        caches = _caches(kwargs)
         keys = controller.affected_by_node(node_view(body))
-        await asyncio.gather(*(controller.request(k, caches, _post_event) for k in keys))
+        await _reconcile_all(controller, keys, _caches(kwargs))
 
     # --- admission ----------------------------------------------------------------------
 

@@ -15,8 +15,10 @@ Per ModelServer, in the style of kube-state-metrics (labels ``namespace`` and
 - ``kvshare_modelserver_status_phase{phase}``: 1 for the current phase, 0 for the others;
 - ``kvshare_modelserver_replicas``: replicas the spec asks for;
 - ``kvshare_modelserver_ready_replicas``: replicas whose engine answers its health check;
-- ``kvshare_modelserver_kv_{min,lease,mapped,used}_bytes``: KV memory over its workers, as
-  the node agents report it (the status's ``kv``).
+- ``kvshare_modelserver_kv_{min,lease,mapped,used,demand}_bytes``: KV memory over its
+  workers, as the node agents report it (the status's ``kv``);
+- ``kvshare_modelserver_kv_pressure_ratio``: demand over lease, the KV-pressure signal
+  the autoscaling examples (``examples/autoscaling/``) scale on.
 
 Only the active operator replica reconciles, so a standby one exports no per-ModelServer
 series and zeros for ``kvshare_modelservers``.
@@ -79,6 +81,16 @@ _GAUGES: dict[str, tuple[str, Callable[[ModelServerSample], float]]] = {
     "kvshare_modelserver_kv_used_bytes": (
         "KV memory holding live blocks of the ModelServer's workers.",
         lambda s: s.kv.used,
+    ),
+    "kvshare_modelserver_kv_demand_bytes": (
+        "KV memory the ModelServer's workers need: what each asks for or holds in live "
+        "blocks, whichever is more.",
+        lambda s: s.kv.demand,
+    ),
+    "kvshare_modelserver_kv_pressure_ratio": (
+        "KV demand over KV lease of the ModelServer's workers: near 1 their caches are "
+        "full, above 1 they wait for memory the brokers cannot lend (scale out on it).",
+        lambda s: s.kv.pressure(),
     ),
 }
 

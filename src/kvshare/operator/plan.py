@@ -9,11 +9,13 @@ the replicas that cannot be placed, with the reason. Rules:
 - Scale down removes the highest indexes first; scale up creates every missing index.
 - A pod that finished (Failed, e.g. evicted, or Succeeded) is deleted and made again,
   unless its replica is held back after failing (see :mod:`.backoff`): then it stays.
-- A spec change rolls one replica at a time: a pod whose template hash is outdated is
-  replaced only when no replacement is in flight (nothing terminating, every updated pod
-  ready). Unready outdated pods go first (replacing them costs no availability); a ready
-  one is replaced only when every other replica is ready, highest index first. A
-  replacement is started only if the new spec can be placed once the old pod is gone.
+- A spec change rolls one replica at a time: an outdated pod (another template hash, a
+  GPU-memory request that no longer covers ``kvCache.min``, or a KV policy its node
+  refused to apply in place) is replaced only when no replacement is in flight (nothing
+  terminating, every updated pod ready). Unready outdated pods go first (replacing them
+  costs no availability); a ready one is replaced only when every other replica is
+  ready, highest index first. A replacement is started only if the new spec can be
+  placed once the old pod is gone.
 - A replica is created where :func:`kvshare.api.placement.place` puts it, given every
   other replica's current placement; the pod keeps that placement for its lifetime.
 """
@@ -58,11 +60,22 @@ class Desired:
     template_hash: str
     per_gpu_bytes: int
     tp: int
+    gpu_memory_units: int = 0
+    """The ``kvshare.io/gpu-memory`` request a replica needs (a pod's cannot change)."""
     node_selector: Mapping[str, str] = field(default_factory=dict)
     tolerations: tuple[Tolerance, ...] = ()
     colocate_with: frozenset[str] = frozenset()
     avoid: frozenset[str] = frozenset()
     policy: Literal["binpack", "spread"] = "binpack"
+
+    def runs(self, pod: PodView, refused: Collection[int] = ()) -> bool:
+        """Whether ``pod`` runs what this asks for: the same template, a request that covers
+        the GPU memory it needs, and no KV policy its node refused to apply in place."""
+        return (
+            pod.template_hash == self.template_hash
+            and pod.gpu_memory_units >= self.gpu_memory_units
+            and pod.replica not in refused
+        )
 
     def request(self, replica: int) -> ReplicaRequest:
         """The placement request of replica ``replica`` (not yet placed)."""
@@ -90,6 +103,7 @@ def desired_replicas(
         template_hash=template_hash,
         per_gpu_bytes=spec.static_bytes_per_worker() + spec.kv_cache.min,
         tp=spec.tensor_parallel_size,
+        gpu_memory_units=spec.gpu_memory_units_per_replica(),
         node_selector=spec.node_selector,
         tolerations=tuple(
             Tolerance(
@@ -145,26 +159,20 @@ class Plan:
 
 
 def _outdated_to_replace(
-    desired: Desired, by_index: Mapping[int, PodView]
+    desired: Desired, by_index: Mapping[int, PodView], refused: Collection[int]
 ) -> tuple[PodView | None, str]:
     """The outdated pod to replace now, or why none is (empty when nothing is outdated)."""
     wanted = range(desired.replicas)
     pods = [by_index[i] for i in wanted if i in by_index]
     outdated = [
-        p
-        for p in pods
-        if p.template_hash != desired.template_hash and not (p.terminating or p.finished)
+        p for p in pods if not desired.runs(p, refused) and not (p.terminating or p.finished)
     ]
     if not outdated:
         return None, ""
     terminating = [p.name for p in pods if p.terminating]
     if terminating:
         return None, f"waiting for {', '.join(terminating)} to stop"
-    starting = [
-        p.name
-        for p in pods
-        if p.template_hash == desired.template_hash and not p.ready and not p.finished
-    ]
+    starting = [p.name for p in pods if desired.runs(p, refused) and not p.ready and not p.finished]
     if starting:
         return None, f"waiting for {', '.join(starting)} to become ready"
     unready = [p for p in outdated if not p.ready]
@@ -184,12 +192,14 @@ def plan_replicas(
     pods: Iterable[PodView],
     capacity: Callable[[], Capacity],
     held: Collection[int] = (),
+    refused: Collection[int] = (),
 ) -> Plan:
     """The next steps for ``desired`` given its existing ``pods``.
 
     ``capacity`` is called only when something must be placed; it returns the cluster's
     capacity with every known pod, these ``pods`` included, as current placements.
-    The finished pods of the ``held`` replicas are kept, not replaced yet.
+    The finished pods of the ``held`` replicas are kept, not replaced yet; the pods of the
+    ``refused`` replicas (their node could not apply the KV policy in place) are outdated.
     """
     by_index: dict[int, PodView] = {}
     for pod in sorted(pods, key=lambda p: (p.terminating, p.name)):
@@ -206,7 +216,7 @@ def plan_replicas(
             deletes.append(Delete(pod, "Replaced"))
 
     missing = [i for i in range(desired.replicas) if i not in by_index]
-    replace, waiting = _outdated_to_replace(desired, by_index)
+    replace, waiting = _outdated_to_replace(desired, by_index, refused)
     pending = [*missing, *([replace.replica] if replace else [])]
 
     unplaced: dict[int, str] = {}
@@ -238,8 +248,8 @@ def plan_replicas(
 
     rollout = None
     live = [p for i, p in by_index.items() if i < desired.replicas and not p.terminating]
-    if any(p.template_hash != desired.template_hash for p in live):
-        updated = sum(p.template_hash == desired.template_hash for p in live)
+    if not all(desired.runs(p, refused) for p in live):
+        updated = sum(desired.runs(p, refused) for p in live)
         rollout = Rollout(updated=updated, desired=desired.replicas, waiting=waiting)
     return Plan(
         creates=tuple(creates),

@@ -37,7 +37,12 @@ API_CALLS: tuple[ApiCall, ...] = (
         "is enabled (the operator itself sets no finalizer)",
     ),
     ApiCall(names.GROUP, names.KVSHARENODE_PLURAL, ("list", "watch"), "GPU capacity and pools"),
-    ApiCall("", "pods", ("list", "watch", "create", "delete"), "one pod per replica"),
+    ApiCall(
+        "",
+        "pods",
+        ("list", "watch", "create", "delete", "patch"),
+        "one pod per replica (patch: its KV policy annotation, changed in place)",
+    ),
     ApiCall(
         "",
         "services",
@@ -45,6 +50,12 @@ API_CALLS: tuple[ApiCall, ...] = (
         "one Service per ModelServer (get: whose is one that exists already)",
     ),
     ApiCall("", "nodes", ("list", "watch"), "labels, taints and cordons for placement"),
+    ApiCall(
+        "",
+        "resourcequotas",
+        ("list", "watch"),
+        "retry pods a namespace quota refused once it has room",
+    ),
     ApiCall("", "events", ("create",), "Events about placement, rollouts and problems"),
     ApiCall(
         "kopf.dev",

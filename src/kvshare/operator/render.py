@@ -26,7 +26,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvshare.api import env, names
+from kvshare.api import env, kvpolicy, names
 from kvshare.api.modelserver import ENGINE_COMMAND_LINES, ModelServerSpec
 from kvshare.api.placement import Placement
 from kvshare.operator.plan import pod_name
@@ -39,9 +39,11 @@ __all__ = [
     "RuntimeImage",
     "endpoint",
     "inject_runtime",
+    "pod_selector",
     "render_pod",
     "render_service",
     "runtime_targets",
+    "selector_string",
     "template_hash",
 ]
 
@@ -55,9 +57,11 @@ RUNTIME_VOLUME = "kvshare-runtime"
 SHM_VOLUME = "dshm"
 HTTP_PORT_NAME = "http"
 HEALTH_PATH = "/health"
-#: Spec fields that only steer placement: changing them never replaces a running replica.
-_PLACEMENT_ONLY_FIELDS = frozenset(
+#: Spec fields that never replace a running replica: those that only steer placement, and
+#: the KV policy, which reaches running replicas in place (see :mod:`.inplace`).
+_NOT_IN_TEMPLATE = frozenset(
     {"replicas", "nodeSelector", "colocateWith", "avoidColocationWith", "placementPolicy"}
+    | {"kvCache"}
 )
 # Copies the bundle with the image's own Python: no shell or coreutils needed.
 _COPY_BUNDLE = "import shutil, sys; shutil.copytree(sys.argv[1], sys.argv[2], dirs_exist_ok=True)"
@@ -74,14 +78,15 @@ class RuntimeImage:
 def template_hash(spec: ModelServerSpec) -> str:
     """A short hash of everything in ``spec`` that shapes a replica's pod.
 
-    Placement-only fields are left out (running replicas are never moved), and so are
-    fields left at their defaults, so that a kvshare upgrade that adds a field does not
-    replace every replica.
+    Placement-only fields are left out (running replicas are never moved), and so is the
+    KV policy (changed in place; a pod whose GPU-memory request no longer covers a raised
+    ``kvCache.min`` is replaced by the planner), and so are fields left at their
+    defaults, so that a kvshare upgrade that adds a field does not replace every replica.
     """
     shaping = {
         key: value
         for key, value in spec.model_dump(by_alias=True, exclude_defaults=True, mode="json").items()
-        if key not in _PLACEMENT_ONLY_FIELDS
+        if key not in _NOT_IN_TEMPLATE
     }
     digest = hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()
     return digest[:10]
@@ -90,6 +95,17 @@ def template_hash(spec: ModelServerSpec) -> str:
 def endpoint(ms: ModelServerRef, spec: ModelServerSpec) -> str:
     """The URL of the ModelServer's Service inside the cluster."""
     return f"http://{ms.name}.{ms.namespace}.svc:{spec.port}"
+
+
+def pod_selector(ms: ModelServerRef) -> dict[str, str]:
+    """Labels that select the ModelServer's replica pods: its Service's selector, and
+    (as ``status.selector``) the scale subresource's for autoscalers."""
+    return {names.LABEL_MODELSERVER: ms.name, names.LABEL_MANAGED_BY: names.MANAGED_BY}
+
+
+def selector_string(labels: Mapping[str, str]) -> str:
+    """``labels`` as a label selector string (``a=b,c=d``)."""
+    return ",".join(f"{key}={value}" for key, value in sorted(labels.items()))
 
 
 def owner_reference(ms: ModelServerRef) -> dict[str, Any]:
@@ -194,7 +210,9 @@ def _runtime_env(existing: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return kept + added
 
 
-def _engine_container(spec: ModelServerSpec, ms: ModelServerRef) -> dict[str, Any]:
+def _engine_container(
+    spec: ModelServerSpec, ms: ModelServerRef, kv_capacity: int | None
+) -> dict[str, Any]:
     command = ENGINE_COMMAND_LINES[spec.engine].argv(
         model=spec.model,
         port=spec.port,
@@ -209,6 +227,9 @@ def _engine_container(spec: ModelServerSpec, ms: ModelServerRef) -> dict[str, An
     ]
     if spec.kv_cache.max is not None:
         policy.append({"name": env.KV_MAX.name, "value": str(spec.kv_cache.max)})
+    if kv_capacity is not None:
+        # The pool's virtual size: what kvCache.max may be raised to without a restart.
+        policy.append({"name": env.KV_CAPACITY.name, "value": str(kv_capacity)})
     gpu = {
         names.RESOURCE_GPU: str(spec.tensor_parallel_size),
         names.RESOURCE_GPU_MEMORY: str(spec.gpu_memory_units_per_replica()),
@@ -254,8 +275,10 @@ def render_pod(
     placement: Placement,
     template: str,
     runtime: RuntimeImage,
+    kv_capacity: int | None = None,
 ) -> dict[str, Any]:
-    """Replica ``replica``'s pod, pinned to ``placement``, labelled with hash ``template``."""
+    """Replica ``replica``'s pod, pinned to ``placement``, labelled with hash ``template``;
+    ``kv_capacity``: the most KV cache per worker its GPUs could ever lend it."""
     pod: dict[str, Any] = {
         "apiVersion": "v1",
         "kind": "Pod",
@@ -275,6 +298,7 @@ def render_pod(
                 **spec.pod_annotations,
                 names.ANNOTATION_NODE: placement.node,
                 names.ANNOTATION_GPUS: ",".join(placement.gpus),
+                names.ANNOTATION_KV_POLICY: kvpolicy.encode(spec.kv_cache),
             },
             "ownerReferences": [owner_reference(ms)],
         },
@@ -301,7 +325,7 @@ def render_pod(
             # pod next to a Service named "vllm", which the engine reads as its own setting.
             "enableServiceLinks": False,
             "restartPolicy": "Always",
-            "containers": [_engine_container(spec, ms)],
+            "containers": [_engine_container(spec, ms, kv_capacity)],
             "volumes": [{"name": SHM_VOLUME, "emptyDir": {"medium": "Memory"}}],
         },
     }
@@ -326,10 +350,7 @@ def render_service(ms: ModelServerRef, spec: ModelServerSpec) -> dict[str, Any]:
         },
         "spec": {
             "type": "ClusterIP",
-            "selector": {
-                names.LABEL_MODELSERVER: ms.name,
-                names.LABEL_MANAGED_BY: names.MANAGED_BY,
-            },
+            "selector": pod_selector(ms),
             "ports": [
                 {
                     "name": HTTP_PORT_NAME,

@@ -5,7 +5,8 @@ Conditions follow the Kubernetes conventions (``metav1.Condition``): a ``type``,
 ``observedGeneration`` it was computed from, and a ``lastTransitionTime`` that changes
 only when ``status`` does. The four types:
 
-- ``Placed``: every desired replica has a node and GPUs (False says why not);
+- ``Placed``: every desired replica has a node and GPUs, and its pod was admitted (False
+  says why not: no GPU fits, or a namespace quota refused it, ``QuotaExceeded``);
 - ``Ready``: every desired replica answers its health check;
 - ``Progressing``: replicas are being created, removed or replaced;
 - ``Degraded``: something only a change of the spec or the cluster can fix, or replicas
@@ -27,6 +28,7 @@ from kvshare.api.kube import Condition
 from kvshare.api.kvsharenode import PoolStatus
 from kvshare.api.modelserver import KVUsage, Phase, ReplicaPlacement
 from kvshare.operator.backoff import ReplicaFailure
+from kvshare.operator.inplace import ReplicaPolicy
 from kvshare.operator.plan import Plan
 from kvshare.operator.views import PodView
 
@@ -37,6 +39,7 @@ __all__ = [
     "compute_status",
     "condition_events",
     "kv_usage",
+    "placement_events",
     "with_problem",
 ]
 
@@ -73,10 +76,16 @@ class Observation:
     plan: Plan | None = None
     problem: Problem | None = None
     """A problem with the spec itself; nothing is planned then."""
+    quota: str | None = None
+    """Why missing replicas wait for a namespace ResourceQuota (the last refusal)."""
     kv: KVUsage = field(default_factory=KVUsage)
     endpoint: str | None = None
+    selector: str | None = None
+    """The replica pods' label selector (for the scale subresource)."""
     failing: Sequence[ReplicaFailure] = ()
     """Replicas whose pods keep failing, by replica index."""
+    kv_policy: Mapping[int, ReplicaPolicy] = field(default_factory=dict)
+    """Whether each replica runs the current kvCache (see :mod:`.inplace`)."""
     namespace: str = ""
     missing_refs: Mapping[str, Sequence[str]] | None = field(default_factory=dict)
     """ModelServers named by a spec field that do not exist, by field (``None``: the spec
@@ -90,6 +99,7 @@ def kv_usage(pools: Sequence[PoolStatus]) -> KVUsage:
         lease=sum(p.lease for p in pools),
         mapped=sum(p.mapped for p in pools),
         used=sum(p.used for p in pools),
+        demand=sum(max(p.want, p.used) for p in pools),
     )
 
 
@@ -107,6 +117,9 @@ def _placed(obs: Observation, serving: Sequence[PodView]) -> tuple[str, str, str
         return "False", "ModelTooLarge", plan.too_large
     if plan.rollout and plan.rollout.waiting.startswith("cannot replace"):
         return "False", "Unschedulable", plan.rollout.waiting
+    if obs.quota is not None:
+        waiting = obs.desired - len(serving)
+        return "False", "QuotaExceeded", f"{waiting} of {obs.desired} replicas wait: {obs.quota}"
     missing = {i: r for i, r in plan.unplaced.items() if i not in {p.replica for p in serving}}
     if missing:
         first = plan.unplaced[min(missing)]
@@ -166,8 +179,23 @@ def _progressing(
         return "True", "CreatingReplicas", f"creating replica(s) {', '.join(map(str, creating))}"
     if starting:
         return "True", "ReplicasStarting", f"waiting for {_names(starting)} to become ready"
+    pending = [
+        p
+        for p in serving
+        if p.replica in obs.kv_policy and obs.kv_policy[p.replica].state == "Pending"
+    ]
+    if pending:
+        applied = sum(s.state == "Applied" for s in obs.kv_policy.values())
+        return (
+            "True",
+            "ApplyingKVPolicy",
+            f"{applied}/{obs.desired} replicas run the current kvCache in place; waiting for "
+            f"{_names(pending)}",
+        )
     if obs.failing:
         return "False", "ReplicaFailing", "failed pods are replaced after a delay (see Degraded)"
+    if obs.quota is not None:
+        return "False", "WaitingForQuota", "replicas wait for namespace quota (see Placed)"
     if plan.unplaced:
         return "False", "WaitingForCapacity", "replicas wait for GPU capacity (see Placed)"
     return "False", "UpToDate", "all replicas run the current spec"
@@ -236,6 +264,17 @@ def _phase(conditions: Mapping[str, str], obs: Observation, serving: Sequence[Po
     return "Starting" if serving else "Pending"
 
 
+def _placement(pod: PodView, policy: ReplicaPolicy | None) -> dict[str, Any]:
+    return ReplicaPlacement(
+        replica=pod.replica,
+        pod=pod.name,
+        node=pod.node,
+        gpus=list(pod.gpus),
+        kv_policy=policy.state if policy else None,
+        kv_policy_message=(policy.message[:512] or None) if policy else None,
+    ).to_wire()
+
+
 def compute_status(obs: Observation, previous: Mapping[str, Any], now: str) -> dict[str, Any]:
     """The status to write, as stored (camelCase, quantities as strings).
 
@@ -266,16 +305,13 @@ def compute_status(obs: Observation, previous: Mapping[str, Any], now: str) -> d
         "readyReplicas": ready,
         "ready": f"{ready}/{obs.desired}",
         "conditions": conditions,
-        "placements": [
-            ReplicaPlacement(
-                replica=p.replica, pod=p.name, node=p.node, gpus=list(p.gpus)
-            ).to_wire()
-            for p in serving
-        ],
+        "placements": [_placement(p, obs.kv_policy.get(p.replica)) for p in serving],
         "kv": obs.kv.to_wire(),
     }
     if obs.endpoint is not None:
         status["endpoint"] = obs.endpoint
+    if obs.selector is not None:
+        status["selector"] = obs.selector
     return status
 
 
@@ -326,4 +362,32 @@ def condition_events(
             events.append(Event("Warning", condition["reason"], condition.get("message", "")))
         elif kind == "Ready" and condition["status"] == "True" and old.get("status") != "True":
             events.append(Event("Normal", "Ready", condition.get("message", "")))
+    return events
+
+
+def placement_events(
+    previous: Sequence[Mapping[str, Any]], current: Sequence[Mapping[str, Any]]
+) -> list[Event]:
+    """Events for the KV policy changed in place: a replica whose node refused it (once per
+    refusal), and every replica running it (once, when the last one takes it)."""
+    before = {p.get("pod"): p.get("kvPolicy") for p in previous}
+    events = [
+        Event(
+            "Warning",
+            "KVPolicyRefused",
+            f"replica {p['replica']} (pod {p['pod']}): {p.get('kvPolicyMessage', '')}; "
+            "replacing it",
+        )
+        for p in current
+        if p.get("kvPolicy") == "Refused" and before.get(p["pod"]) != "Refused"
+    ]
+    states = [p.get("kvPolicy") for p in current]
+    if (
+        states
+        and all(s == "Applied" for s in states)
+        and any(before.get(p["pod"]) in ("Pending", "Refused") for p in current)
+    ):
+        events.append(
+            Event("Normal", "KVPolicyApplied", f"{len(states)} replica(s) run the current kvCache")
+        )
     return events

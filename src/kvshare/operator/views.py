@@ -8,13 +8,14 @@ Parsing happens once per watch event; planning reads only views.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvshare.api import env, names
+from kvshare.api import env, kvpolicy, names
 from kvshare.api.kube import SpecError, validate
 from kvshare.api.kvsharenode import KVShareNodeStatus
 from kvshare.api.placement import Taint
@@ -89,7 +90,12 @@ class PodView:
     gpus: tuple[str, ...]
     """Planned GPU UUIDs, in rank order."""
     per_gpu_bytes: int
-    """Static footprint plus KV minimum per worker, as the pod itself declares it."""
+    """Static footprint plus KV minimum per worker, as the pod itself declares it (the
+    minimum of its KV-policy annotation, which may have changed in place)."""
+    kv_policy: str = ""
+    """The pod's ``kvshare.io/kv-policy`` annotation (its KV policy, changed in place)."""
+    gpu_memory_units: int = 0
+    """The pod's ``kvshare.io/gpu-memory`` request (fixed for the pod's lifetime)."""
     phase: str = "Pending"
     ready: bool = False
     terminating: bool = False
@@ -144,8 +150,12 @@ def pod_view(body: Mapping[str, Any]) -> PodView | None:
         ),
         {},
     )
+    policy = str(annotations.get(names.ANNOTATION_KV_POLICY, ""))
     try:
-        per_gpu = _env_bytes(engine, env.STATIC_BYTES.name) + _env_bytes(engine, env.KV_MIN.name)
+        kv_min = _env_bytes(engine, env.KV_MIN.name)
+        with contextlib.suppress(kvpolicy.PolicyError):
+            kv_min = kvpolicy.decode(policy).min if policy else kv_min
+        per_gpu = _env_bytes(engine, env.STATIC_BYTES.name) + kv_min
     except QuantityError as exc:
         log.warning(
             "pod %s/%s declares unreadable memory (%s); counted as 0",
@@ -170,6 +180,8 @@ def pod_view(body: Mapping[str, Any]) -> PodView | None:
         node=node,
         gpus=gpus,
         per_gpu_bytes=per_gpu,
+        kv_policy=policy,
+        gpu_memory_units=_gpu_memory_units(engine),
         phase=status.get("phase") or "Pending",
         ready=ready,
         terminating=bool(meta.get("deletionTimestamp")),
@@ -177,6 +189,14 @@ def pod_view(body: Mapping[str, Any]) -> PodView | None:
         failure=_pod_failure(status),
         crash_looping=_crash_loop(status),
     )
+
+
+def _gpu_memory_units(container: Mapping[str, Any]) -> int:
+    requests = (container.get("resources") or {}).get("requests") or {}
+    try:
+        return int(str(requests.get(names.RESOURCE_GPU_MEMORY, 0)))
+    except ValueError:
+        return 0
 
 
 #: Longest piece of a kubelet message (a container's termination log can be 4 KiB) kept.

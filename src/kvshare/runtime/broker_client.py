@@ -6,25 +6,15 @@ runs under the node agent. The pool's hot path only reads :meth:`BrokerLease.lim
 posts wishes (:meth:`~BrokerLease.want`, :meth:`~BrokerLease.report`); one background
 thread (``kvshare-lease``) talks to the broker:
 
-- growth is asked in chunks (``chunk_bytes``, a multiple of the page size), so the
-  allocation path rarely waits for a round trip;
-- a pool that keeps running out asks for geometrically more (slow start): when it wants
-  more than it asked for while still waiting for that, or within ``slow_start_window_s``
-  of being granted all of it, the step above its lease doubles (one chunk, two, four,
-  ..., never more than the lease itself, so the lease at most doubles per round trip),
-  and a burst takes a few round trips instead of one per chunk. The step starts
-  again at one chunk after a quiet spell or a reclaim. What it asks is capped at its
-  ``kv_max``; the broker grants at most what is free plus its fair share, and lease it
-  then leaves unused is *idle*, which the broker takes back at once when another pool
-  waits;
-- grants and reclaims arrive as :meth:`LeaseHolder.lease_changed` calls on that thread;
-- reports made once a reclaim's lower limit is in force carry its ``seq`` (never older
-  ones: the pool may have grown since): the broker hands on what such a report shows
-  released, and completes the reclaim with the first whose held bytes fit the limit.
-  A pool must therefore report after ``lease_changed`` even when it had nothing to
-  release (the runtime's pool does, and reports on a timer too). A usage that states the
-  limit it was taken under (:attr:`PoolUsage.limit`) counts only if that limit is the
-  lowered one;
+- what it asks and when it reports follow :mod:`kvshare.runtime.lease_conversation`
+  (chunks, slow start, reclaim acknowledgements), its asks capped at its capacity; the
+  broker caps them at the ``kv_max`` in force (which may be raised in place: the broker
+  remembers what was asked beyond the old one) and grants at most what is free plus what
+  its policy allows, and lease it then leaves unused is *idle*, which the broker takes
+  back at once when another pool waits;
+- grants and reclaims arrive as :meth:`LeaseHolder.lease_changed` calls on that thread.
+  A pool must report after ``lease_changed`` even when it had nothing to release (the
+  runtime's pool does, and reports on a timer too): the report acknowledges a reclaim;
 - when the connection drops (a broker restart), the pool keeps its memory and lease, and
   the thread reconnects with exponential backoff and re-declares what it holds.
 
@@ -57,15 +47,14 @@ from kvshare.api.wire import (
     ProtocolError,
     Reclaim,
     Refused,
-    Report,
     TurnDone,
     TurnGranted,
     TurnRefused,
     TurnRequest,
-    Want,
     Welcome,
 )
 from kvshare.runtime.lease import LeaseHolder, LeaseSource, PoolUsage
+from kvshare.runtime.lease_conversation import IDLE_S, LeaseConversation
 
 __all__ = [
     "DEFAULT_SLOW_START_WINDOW_S",
@@ -151,13 +140,23 @@ class PoolPolicy:
     priority: int = 100
     static: int = 0
     page_size: int = 2 * 2**20
+    capacity: int | None = None
+    """The most the pool can ever hold (its virtual size); the broker's cap (``kv_max``,
+    which may be raised in place) is enforced by the broker. None: ``kv_max``."""
+
+    @property
+    def ceiling(self) -> int | None:
+        """The most the pool ever asks for."""
+        return self.capacity if self.capacity is not None else self.kv_max
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> PoolPolicy:
-        """``KVSHARE_KV_MIN``/``KV_MAX``/``KV_PRIORITY``/``STATIC_BYTES``/``PAGE_SIZE``."""
+        """``KVSHARE_KV_MIN``/``KV_MAX``/``KV_CAPACITY``/``KV_PRIORITY``/``STATIC_BYTES``/
+        ``PAGE_SIZE``."""
         return cls(
             kv_min=env.KV_MIN.require(environ),
             kv_max=env.KV_MAX.read(environ),
+            capacity=env.KV_CAPACITY.read(environ),
             priority=env.KV_PRIORITY.require(environ),
             static=env.STATIC_BYTES.require(environ),
             page_size=env.PAGE_SIZE.require(environ),
@@ -202,14 +201,6 @@ def _read_some(sock: socket.socket, reader: FrameReader, deadline: float) -> lis
             return [BROKER_CODEC.decode(p) for p in payloads]
 
 
-@dataclass
-class _PendingAck:
-    seq: int
-    limit: int
-    reports_at_change: int = 0
-    """Reports made before the lower limit was in force do not acknowledge."""
-
-
 class BrokerLease(LeaseSource):
     """A lease brokered by the node agent (see the module docstring).
 
@@ -235,44 +226,36 @@ class BrokerLease(LeaseSource):
     ) -> None:
         if policy.page_size <= 0:
             raise ValueError(f"page size must be > 0, not {policy.page_size}")
-        chunk = chunk_bytes or DEFAULT_CHUNK_PAGES * policy.page_size
         self.gpu = gpu
         self.policy = policy
         self.identity = identity or PoolIdentity()
         self.socket_path = socket_path or broker_socket_path()
-        self._chunk = -(-chunk // policy.page_size) * policy.page_size
         self._connect_timeout = connect_timeout_s
         self._reconnect = (reconnect_initial_s, reconnect_max_s)
-        self._report_interval = report_interval_s
-        self._slow_start_window = slow_start_window_s
 
-        # _lock guards the state the pool's threads and the lease thread share: the
-        # limit's updates, the wish (_asked) and its growth step, the latest usage, the
-        # pending reclaim ack.
+        # _lock guards the conversation (the limit, the wish and its growth step, the
+        # latest usage, the pending reclaim ack, what was sent), which the pool's threads
+        # and the lease thread share.
         self._lock = threading.Lock()
-        self._limit = 0
-        self._asked = 0
-        self._step = self._chunk
-        self._satisfied_at: float | None = None  # when the lease last reached _asked
-        self._usage: PoolUsage | None = None
-        self._reports = 0
-        self._pending: _PendingAck | None = None
+        self._talk = LeaseConversation(
+            chunk_bytes=chunk_bytes or DEFAULT_CHUNK_PAGES * policy.page_size,
+            page_size=policy.page_size,
+            ceiling=policy.ceiling,
+            report_interval_s=report_interval_s,
+            slow_start_window_s=slow_start_window_s,
+        )
         self._closed = False
         self._wake_queued = False
-        # _send_lock guards the socket's writing side: _sock, _outbox (bytes not yet
-        # accepted by the socket), _seq and _sent_want. Never taken with _lock held.
+        # _send_lock guards the socket's writing side: _sock and _outbox (bytes not yet
+        # accepted by the socket). It may take _lock inside; _lock never takes it.
         self._send_lock = threading.Lock()
         self._sock: socket.socket | None = None
         self._outbox = bytearray()
-        self._seq = 0
-        self._sent_want = 0
 
         # Owned by the lease thread once it runs (by attach() before that).
         self._holder: LeaseHolder | None = None
         self._reader = FrameReader()
         self._backlog: list[Message] = []
-        self._sent_reports = 0
-        self._last_report_at = 0.0
         self._pool_id = 0
         self._name = ""
         self._wake_r, self._wake_w = os.pipe()
@@ -299,51 +282,31 @@ class BrokerLease(LeaseSource):
             self._close_pipe()
             raise
         with self._lock:
-            self._limit = welcome.lease
+            self._talk.granted(welcome.lease, time.monotonic())
         self._thread = threading.Thread(target=self._run, name="kvshare-lease", daemon=True)
         self._thread.start()
 
     def limit(self) -> int:
         """The current lease in bytes (no I/O)."""
-        return self._limit
+        return self._talk.limit
 
     def want(self, total_bytes: int) -> None:
-        """Ask for the lease to reach ``total_bytes``, rounded up to whole chunks and to at
-        least the lease plus the growth step (see the module docstring), capped at
-        ``kv_max``. Never blocks on I/O: the grant arrives via ``lease_changed``."""
-        chunk = self._chunk
+        """Ask for the lease to reach ``total_bytes`` (in chunks, with slow start, capped at
+        the pool's capacity, its ``kv_max`` when that is unknown: see
+        :mod:`kvshare.runtime.lease_conversation`). Never blocks on I/O: the grant arrives
+        via ``lease_changed``."""
+        if self._closed:
+            return
         with self._lock:
-            if total_bytes <= max(self._limit, self._asked) or self._closed:
-                return
-            self._grow_step(time.monotonic())
-            target = max(total_bytes, self._limit + self._step)
-            target = -(-target // chunk) * chunk
-            if self.policy.kv_max is not None:
-                target = min(target, self.policy.kv_max)
-            if target <= max(self._limit, self._asked):
-                return
-            self._asked = target
-        # The round trip starts here, not after a hop to the lease thread.
-        self._send_want()
-
-    def _grow_step(self, now: float) -> None:
-        """The pool wants more than it asked for so far: double the growth step if it is
-        still waiting for that or got it within the slow-start window; start again at one
-        chunk after a quiet spell. ``_lock`` held."""
-        satisfied = self._satisfied_at
-        waiting = self._asked > self._limit
-        if waiting or (satisfied is not None and now - satisfied <= self._slow_start_window):
-            # At most doubling the lease per round: the step never outgrows it.
-            self._step = min(self._step * 2, max(self._chunk, self._limit))
-        elif satisfied is not None:
-            self._step = self._chunk
-        self._satisfied_at = None
+            grew = self._talk.want(total_bytes, time.monotonic())
+        if grew:
+            # The round trip starts here, not after a hop to the lease thread.
+            self._send_want()
 
     def report(self, usage: PoolUsage) -> None:
         """Record what the pool holds; the lease thread sends it (coalesced)."""
         with self._lock:
-            self._usage = usage
-            self._reports += 1
+            self._talk.report(usage)
         self._wake()
 
     def close(self) -> None:
@@ -384,7 +347,7 @@ class BrokerLease(LeaseSource):
 
     def _hello(self, resume: bool) -> Hello:
         identity, policy = self.identity, self.policy
-        usage = self._usage
+        usage = self._talk.usage
         return Hello(
             version=PROTOCOL_VERSION,
             gpu=self.gpu,
@@ -403,7 +366,7 @@ class BrokerLease(LeaseSource):
             resume=resume,
             held=usage.held if usage and resume else 0,
             used=usage.used if usage and resume else 0,
-            lease=self._limit if resume else 0,
+            lease=self._talk.limit if resume else 0,
         )
 
     def _handshake(self, resume: bool) -> Welcome:
@@ -427,24 +390,23 @@ class BrokerLease(LeaseSource):
         with self._send_lock:
             self._sock = sock
             self._outbox.clear()
-            self._sent_want = 0
+            with self._lock:
+                self._talk.connected()
         self._reader = reader
         self._backlog = backlog
         self._pool_id, self._name = answer.pool_id, answer.name
-        self._sent_reports = 0
         self._connected.set()
         return answer
 
     def _send_want(self) -> None:
         """Send the wish if it grew past what was last asked (any thread)."""
-        with self._lock:
-            asked, limit = self._asked, self._limit
         with self._send_lock:
-            if self._sock is None or asked <= limit or asked <= self._sent_want:
+            if self._sock is None:
                 return
-            self._seq += 1
-            self._sent_want = asked
-            self._queue(BROKER_CODEC.encode(Want(seq=self._seq, total=asked)))
+            with self._lock:
+                want = self._talk.next_want()
+            if want is not None:
+                self._queue(BROKER_CODEC.encode(want))
 
     def _queue(self, data: bytes) -> None:
         """Write ``data`` now as far as the socket takes it without blocking; the lease
@@ -555,7 +517,9 @@ class BrokerLease(LeaseSource):
         except BrokerUnavailableError as exc:
             log.debug("reconnect failed: %s", exc)
             return None
-        log.info("reconnected to the broker as %s; re-declared lease %d", welcome.name, self._limit)
+        log.info(
+            "reconnected to the broker as %s; re-declared lease %d", welcome.name, self._talk.limit
+        )
         self._apply_limit(welcome.lease)
         return self._sock
 
@@ -572,45 +536,22 @@ class BrokerLease(LeaseSource):
             sock.close()
         self._connected.clear()
         with self._lock:
-            self._pending = None  # a new broker re-declares from what we hold now
+            self._talk.disconnected()  # a new broker re-declares from what we hold now
         if not self._closed:
-            log.warning("lost the broker; keeping lease %d and reconnecting", self._limit)
+            log.warning("lost the broker; keeping lease %d and reconnecting", self._talk.limit)
 
     def _send_due(self, now: float) -> float:
         """Send the wish, a report or a reclaim acknowledgement if due; returns how long
         the thread may sleep before a rate-limited report falls due."""
         self._send_want()
-        with self._lock:
-            usage, reports, pending = self._usage, self._reports, self._pending
-        if usage is None or self._sock is None:
-            return 0.5
-        in_force = (
-            pending is not None
-            and reports > pending.reports_at_change
-            and (usage.limit is None or usage.limit <= pending.limit)
-        )
-        ack = pending.seq if pending is not None and in_force else 0
-        if reports == self._sent_reports:
-            return 0.5
-        wait = self._last_report_at + self._report_interval - now
-        if not ack and wait > 0:
-            return wait  # reports under a reclaim go at once: they hand memory on
-        report = Report(
-            mapped=usage.mapped,
-            used=usage.used,
-            cached=usage.cached,
-            reserved=usage.reserved,
-            ack=ack,
-        )
         with self._send_lock:
-            self._queue(BROKER_CODEC.encode(report))
-        self._sent_reports = reports
-        self._last_report_at = now
-        if ack and pending is not None and usage.held <= pending.limit:
+            if self._sock is None:
+                return IDLE_S
             with self._lock:
-                if self._pending is pending:
-                    self._pending = None  # this report completes the reclaim
-        return 0.5
+                report, wait = self._talk.next_report(now)
+            if report is not None:
+                self._queue(BROKER_CODEC.encode(report))
+        return wait
 
     def _receive(self) -> bool:
         """Handle what the broker sent; False when the connection is gone."""
@@ -649,26 +590,13 @@ class BrokerLease(LeaseSource):
 
     def _apply_limit(self, limit: int) -> None:
         with self._lock:
-            changed = limit != self._limit
-            self._limit = limit
-            if changed and 0 < self._asked <= limit:
-                self._satisfied_at = time.monotonic()
+            changed = self._talk.granted(limit, time.monotonic())
         if changed and self._holder is not None:
             self._holder.lease_changed(limit)
 
     def _reclaimed(self, reclaim: Reclaim) -> None:
-        pending = _PendingAck(seq=reclaim.seq, limit=reclaim.limit)
         with self._lock:
-            # Reports from here on are made with the lower limit in force (a pool that
-            # shrinks and reports inside lease_changed acknowledges at once).
-            self._limit = reclaim.limit
-            self._asked = min(self._asked, reclaim.limit)
-            # Contention: growth starts again at one chunk.
-            self._step, self._satisfied_at = self._chunk, None
-            pending.reports_at_change = self._reports
-            self._pending = pending
-        with self._send_lock:
-            self._sent_want = min(self._sent_want, reclaim.limit)
+            self._talk.reclaimed(reclaim)
         if self._holder is not None:
             self._holder.lease_changed(reclaim.limit)
 
@@ -682,12 +610,16 @@ def startup_turn(
     timeout_s: float | None = None,
     socket_path: str | None = None,
     identity: PoolIdentity | None = None,
+    group: str = "",
 ) -> Iterator[TurnGranted]:
     """Hold the GPU's start-up turn while an engine loads and profiles memory.
 
     One engine per GPU at a time; the broker first makes room for ``static_bytes`` +
-    ``kv_min`` (reclaiming lent memory). Yields the grant: the longest the turn may be
-    held (the broker takes it back after that) and the GPU's memory. Raises
+    ``kv_min`` (reclaiming lent memory). A rank of a tensor-parallel group (``identity``'s
+    TP size > 1) names its ``group``: the broker gives the group's turns all at once, once
+    every rank has asked, so ranks waiting for each other inside their turns never
+    deadlock against another group. Yields the grant: the longest the turn may be held
+    (the broker takes it back after that) and the GPU's memory. Raises
     :class:`StartupTurnTimeoutError` after ``timeout_s`` (default
     ``KVSHARE_STARTUP_TIMEOUT``), :class:`StartupTurnRefusedError` when the engine cannot
     fit, :class:`BrokerUnavailableError` without a broker.
@@ -704,6 +636,8 @@ def startup_turn(
             kv_min=kv_min,
             pod_uid=who.pod_uid,
             rank=who.rank,
+            group=group if who.tp_size > 1 else "",
+            group_size=who.tp_size if group else 1,
         )
         sock.sendall(BROKER_CODEC.encode(request))
         try:

@@ -310,6 +310,12 @@ class _CoordinatedMapper:
             "from its RankServer.tensor()"
         )
 
+    def block_address(self, buffer: int, block: int) -> int:
+        raise PoolError(
+            "the owner of a coordinated group holds no KV memory: each rank's blocks are "
+            "in its RankServer's pool"
+        )
+
     def close(self) -> None:
         self._ownership.close()
 

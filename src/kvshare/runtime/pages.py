@@ -48,6 +48,9 @@ class PageMapper(Protocol):
     def tensor(self, first: int, count: int) -> torch.Tensor:
         """A zero-copy view of buffers ``[first, first + count)``."""
 
+    def block_address(self, buffer: int, block: int) -> int:
+        """The virtual address of ``block`` in ``buffer``."""
+
     def close(self) -> None:
         """Unmap and release every page and give the virtual range back. Idempotent."""
 
@@ -135,6 +138,10 @@ class PageSpace:
             self._mapped.add(page)
 
     def unmap(self, pages: Sequence[int]) -> None:
+        """Unmap ``pages`` once the device work marked before now has finished (the
+        device fence: an in-flight kernel may still read a page the engine just freed)."""
+        if pages:
+            self.backend.wait_fence()
         for page in pages:
             with self._lock:
                 if page not in self._mapped:
@@ -194,6 +201,13 @@ class PageSpace:
                 self._flat = self.backend.tensor(self.base, self.geometry.virtual_bytes)
             flat = self._flat
         return flat.as_strided(shape, strides, offset)
+
+    def block_address(self, buffer: int, block: int) -> int:
+        """The virtual address of ``block`` in ``buffer`` (see :meth:`KVGeometry.buffer_view`)."""
+        offset, shape, strides = self.geometry.buffer_view(buffer, 1)
+        if not 0 <= block < shape[1]:
+            raise ValueError(f"block {block} is outside the pool's {shape[1]} blocks")
+        return self.base + offset + block * strides[1]
 
     def close(self) -> None:
         with self._lock:

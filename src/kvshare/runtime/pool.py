@@ -25,6 +25,12 @@ Invariants
   the lease rises again, or a kept page empties, retired pages go back into service,
   fullest first.
 
+- A page emptied while the engine still had steps in flight is unmapped only after
+  them: pages picked for unmapping are stamped with the engine's steps scheduled so far
+  (:attr:`KVPool.steps`) and wait, held and off every free list, until those steps are
+  done; the backend's device fence covers the work already launched
+  (:mod:`kvshare.runtime.fence`). Neither costs ``alloc`` or ``free`` anything.
+
 Allocation is best fit: a request is served from the partial page with the fewest free
 blocks that still fits it (pages with the fewest free blocks are filled first otherwise),
 then from ready pages; so pages fill up densely and empty pages appear where they can be
@@ -62,7 +68,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -74,6 +80,7 @@ from kvshare.runtime.errors import (
     PoolClosedError,
     PoolError,
 )
+from kvshare.runtime.fence import StepFence
 from kvshare.runtime.geometry import KVGeometry
 from kvshare.runtime.lease import LeaseSource, PoolUsage
 from kvshare.runtime.ownership import LocalOwnership, Ownership
@@ -203,6 +210,7 @@ class KVPool:
         lease_chunk_bytes: int = DEFAULT_LEASE_CHUNK_BYTES,
         report_interval_s: float = 5.0,
         lease_timeout_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if reserve_pages < 0:
             raise PoolError(f"reserve_pages must be >= 0, not {reserve_pages}")
@@ -212,6 +220,9 @@ class KVPool:
         self.ownership = ownership or LocalOwnership()
         self._reserve_pages = reserve_pages
         self._report_interval_s = report_interval_s
+        # Times the pool's rate limits (asking again, reporting) are kept on; a simulation
+        # without a background thread passes its own.
+        self._clock = clock
         page_bytes = geometry.page_bytes
         self._page_bytes = page_bytes
         self._block_bytes = geometry.block_bytes
@@ -229,6 +240,9 @@ class KVPool:
 
         self._thread: threading.Thread | None = None
         self._init_state()
+        self.steps = StepFence()
+        """The engine's steps: its scheduler's hooks count them (see :class:`StepFence`)."""
+        self.steps.watch(self._step_finished)
 
         self._mapper: PageMapper = self.ownership.open_mapper(geometry, backend, self._fail)
         try:
@@ -282,6 +296,10 @@ class KVPool:
         self._mapped_pages = 0
         self._growing = 0  # busy pages being created and mapped
         self._dropping = 0  # busy pages being unmapped and released
+        # Busy pages picked for unmapping that wait for the engine's steps in flight when
+        # they were picked: (stamp, pages), oldest first. Held, off every free list.
+        self._fenced: list[tuple[int, list[int]]] = []
+        self._fenced_pages = 0
         self._held_pages = 0  # mapped + growing + dropping
         self._used_blocks = 0
         self._allocs = 0
@@ -708,6 +726,27 @@ class KVPool:
         self._dropping += len(pages)
         return pages
 
+    def _fence(self, picked: list[int]) -> list[int]:
+        """Of the pages picked for unmapping now and earlier, those whose engine steps are
+        done (the rest wait, see the module docstring). ``_lock`` held."""
+        if picked:
+            self._dropping -= len(picked)
+            self._fenced.append((self.steps.stamp(), picked))
+            self._fenced_pages += len(picked)
+        due: list[int] = []
+        while self._fenced and self.steps.passed(self._fenced[0][0]):
+            _, pages = self._fenced.pop(0)
+            due += pages
+        if due:
+            self._fenced_pages -= len(due)
+            self._dropping += len(due)
+        return due
+
+    def _step_finished(self) -> None:
+        """An engine step is done (its scheduler's thread): fenced pages may be due."""
+        if self._fenced_pages:
+            self._wake.set()
+
     def _plan_retiring(self) -> None:
         """Retire or restore pages so that at most ``limit`` pages holding blocks stay in
         service (see the module docstring). ``_lock`` held."""
@@ -761,7 +800,7 @@ class KVPool:
     def _evict_for_lease(self) -> bool:
         """Ask the engine to evict cached blocks to get under the lease; whether any went."""
         evictor = self._evictor
-        over = self._held_pages - self._limit_pages
+        over = self._held_pages - self._fenced_pages - self._limit_pages
         if evictor is None or over <= 0:
             return False
         wanted = min(evictor.cached_blocks(), over * self._max_cap)
@@ -839,7 +878,7 @@ class KVPool:
         total = min(-(-pages // chunk) * chunk, self._usable_pages) * self._page_bytes
         if total <= self._limit_bytes:
             return
-        now = time.monotonic()
+        now = self._clock()
         if total > self._wanted or now - self._wanted_at > _WANT_RETRY_S:
             self._wanted, self._wanted_at = total, now
             self.lease.want(total)
@@ -856,7 +895,7 @@ class KVPool:
             changed = self._rebalance()
             # The engine evicts in its own (LRU) order, which need not empty whole pages:
             # keep asking while that makes progress and the pool is still over its lease.
-            while self._held_pages > self._limit_pages and self._evict_for_lease():
+            while self._evict_for_lease():
                 changed = self._rebalance() or changed  # unmap what the eviction emptied
             with self._lock:
                 desired = self._mapped_pages - len(self._ready) + self._reserve_pages
@@ -870,7 +909,7 @@ class KVPool:
         lease. Whether anything changed."""
         with self._lock:
             self._plan_retiring()
-            over = self._held_pages - self._limit_pages
+            over = self._held_pages - self._limit_pages - self._fenced_pages
             if over > 0:
                 # Down to the lease, and the reserve trimmed as well in the same pass.
                 excess = len(self._ready) - self._reserve_pages
@@ -879,6 +918,7 @@ class KVPool:
             else:
                 drop = self._pick_ready_to_drop(len(self._ready) - self._reserve_pages)
                 grow = self._pick_reserve_pages()
+            drop = self._fence(drop)
         if drop:
             self._drop(drop)
         if grow:
@@ -900,7 +940,7 @@ class KVPool:
 
     def _report(self, force: bool) -> None:
         usage = self.snapshot().usage()
-        now = time.monotonic()
+        now = self._clock()
         if (
             force
             or usage != self._last_report
@@ -938,6 +978,12 @@ class KVPool:
         the last dimension, e.g. K and V of one layer as ``(2, num_blocks, ...)``."""
         return self._mapper.tensor(first_buffer, count)
 
+    def block_address(self, buffer: int, block: int) -> int:
+        """The virtual address of ``block`` in ``buffer``: for native code that takes KV
+        memory by address (and the demo's checks), without a torch view. Touching it is
+        valid only while the block is allocated."""
+        return self._mapper.block_address(buffer, block)
+
     def set_evictor(self, evictor: Evictor) -> None:
         """Register the engine's prefix cache (see :class:`Evictor`)."""
         self._evictor = evictor
@@ -951,7 +997,7 @@ class KVPool:
             used_pages = self._mapped_pages - len(self._ready)
             return PoolSnapshot(
                 virtual=self.geometry.virtual_bytes,
-                mapped=(self._mapped_pages + self._dropping) * pb,
+                mapped=(self._mapped_pages + self._dropping + self._fenced_pages) * pb,
                 used=used_pages * pb,
                 cached=min(cached_blocks * self.geometry.block_bytes_all_buffers, used_pages * pb),
                 reserved=self._growing * pb,

@@ -1,7 +1,10 @@
-"""The vLLM KV cache the suite builds: two full-attention layers, planned by vLLM itself."""
+"""The vLLM KV cache the suite builds: two full-attention layers, planned by vLLM itself;
+and the tiny model whose config vLLM's scheduler and workers are built from."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,3 +34,35 @@ def kv_cache_config(num_bytes: int) -> tuple[Any, Any]:
     groups = [KVCacheGroupSpec(LAYERS, spec)]
     config = get_kv_cache_config_from_groups(vllm_config, groups, num_bytes)
     return config, vllm_config.cache_config.get_resolved_kv_cache_layout()
+
+
+#: A Llama of two small layers (a ``config.json``, no weights): enough for vLLM's configs.
+MODEL = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "vocab_size": 4096,
+    "max_position_embeddings": 1024,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+    "torch_dtype": "bfloat16",
+}
+
+
+def model_config(directory: Path) -> Any:
+    """vLLM's ``ModelConfig`` of :data:`MODEL`, written to ``directory``."""
+    from vllm.config import ModelConfig
+
+    (directory / "config.json").write_text(json.dumps(MODEL))
+    return ModelConfig(
+        model=str(directory), skip_tokenizer_init=True, dtype="bfloat16", max_model_len=512
+    )

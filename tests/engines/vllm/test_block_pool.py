@@ -254,11 +254,12 @@ def test_a_reclaim_between_counting_and_allocating_waits_for_the_step_to_end(
     monkeypatch.setattr(block_pool, "get_num_free_blocks", count_then_reclaim)
     req = request(prompt(40, 8))
     scheduler = SimpleNamespace(kv_cache_manager=engine.manager)
-    step = vllm_blocks.holding_block_pool_lock(lambda _: schedule(engine, req))
+    step = vllm_blocks.scheduling_a_step(lambda _: schedule(engine, req))
     ids = step(scheduler)
     assert ids is not None and len(ids) == 8  # what vLLM counted is what it got
     assert pool.snapshot().lease == lower  # the reclaim took effect when the step ended
-    engine.manager.free(req)
+    # The step's output finishes the request (vLLM frees its blocks there).
+    vllm_blocks.finishing_a_step(lambda _: engine.manager.free(req))(scheduler)
     assert eventually(lambda: pool.snapshot().mapped <= len(LAYERS) * PAGE, pool.maintain), (
         "the pool did not shrink to page 0 after the step"
     )

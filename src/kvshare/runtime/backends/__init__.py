@@ -2,8 +2,9 @@
 
 ``open_backend("host")`` works everywhere (CPU memory); ``open_backend("cuda", device)``
 needs a CUDA driver and raises :class:`~kvshare.runtime.errors.BackendUnavailableError` with
-the reason where there is none; ``"auto"`` takes ``cuda`` when a driver answers, else
-``host`` (and logs why).
+the reason where there is none; ``"auto"`` takes ``cuda`` when a driver answers, and ``host``
+only where this container has no GPU (see :mod:`.gpu_presence`): with GPUs allocated and no
+working ``cuda`` backend it refuses, naming what it found.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import logging
 from typing import Literal
 
 from kvshare.runtime.backends.base import Backend
+from kvshare.runtime.backends.gpu_presence import cuda_versions, gpu_evidence
 from kvshare.runtime.backends.host import HostBackend
 from kvshare.runtime.errors import BackendUnavailableError
 
@@ -42,6 +44,16 @@ def open_backend(kind: BackendKind = "auto", device: int = 0) -> Backend:
         try:
             return _open_cuda(device)
         except BackendUnavailableError as exc:
-            log.warning("no CUDA backend (%s); the KV pool uses host memory", exc)
+            evidence = gpu_evidence()
+            if evidence:
+                raise BackendUnavailableError(
+                    f"KVSHARE_BACKEND=auto: this container has GPUs ({'; '.join(evidence)}) "
+                    f"but the cuda backend cannot start: {exc}. Found: {cuda_versions()}. "
+                    "kvshare will not put the KV cache in host memory on a GPU node; make "
+                    "kvshare's cuda-python (>= 12.6, with cuda.bindings) the one Python imports "
+                    "and run a driver it supports, or set KVSHARE_BACKEND=host to use host "
+                    "memory on purpose"
+                ) from None
+            log.warning("no GPU here (%s); the KV pool uses host memory", exc)
             return HostBackend()
     raise ValueError(f"unknown backend {kind!r}: use host, cuda or auto")

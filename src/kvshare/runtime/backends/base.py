@@ -10,6 +10,7 @@ corrupted process.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, TypeVar
 
 from kvshare.runtime.errors import AddressOutOfRangeError, AlreadyMappedError, BackendError
@@ -72,6 +73,17 @@ class Backend(ABC):
     @abstractmethod
     def free_memory(self) -> int:
         """Free physical memory of this backend's own device, in bytes."""
+
+    @abstractmethod
+    def record_fence(self, streams: Sequence[int] = (0,)) -> None:
+        """Mark the device work launched so far on ``streams`` (CUDA stream handles, 0 the
+        default stream); :meth:`wait_fence` waits for it. Engine hooks call this after each
+        step is launched, never on the allocation path (see :mod:`kvshare.runtime.fence`)."""
+
+    @abstractmethod
+    def wait_fence(self) -> None:
+        """Block until the work marked by the latest :meth:`record_fence` has finished.
+        Called before every unmap, from the pool's threads (never under the pool's lock)."""
 
     @abstractmethod
     def close(self) -> None:

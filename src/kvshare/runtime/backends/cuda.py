@@ -2,7 +2,9 @@
 
 reserve = ``cuMemAddressReserve``; create = ``cuMemCreate`` (pinned device memory);
 map = ``cuMemMap`` + ``cuMemSetAccess``; unmap = ``cuMemUnmap``; release =
-``cuMemRelease``; tensors via DLPack (no C++ extension); free memory = ``cuMemGetInfo``.
+``cuMemRelease``; tensors via DLPack (no C++ extension); free memory = ``cuMemGetInfo``;
+fence = one event per engine stream, re-recorded after each step (``cuEventRecord``) and
+synchronized before an unmap (``cuEventSynchronize``).
 
 Device scoping: every driver call — from any thread, including background threads that
 start with no current context — runs with this backend's device's primary context pushed
@@ -15,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvshare.runtime.backends.base import Backend, Reservations
@@ -59,6 +61,10 @@ class CudaBackend(Backend):
         self._book = Reservations(self._granularity)
         self._handles: dict[int, tuple[Any, int]] = {}  # handle id -> (driver handle, size)
         self._closed = False
+        # _fence_lock guards _fence_events; never held across a wait, never with _lock, so
+        # the engine's thread recording a fence never waits for the pool's thread waiting.
+        self._fence_lock = threading.Lock()
+        self._fence_events: dict[int, Any] = {}  # stream handle -> its latest fence event
 
     @contextlib.contextmanager
     def _on_device(self) -> Iterator[None]:
@@ -157,12 +163,34 @@ class CudaBackend(Backend):
             free, _ = self._driver.mem_get_info()
         return free
 
+    # --- the device fence ----------------------------------------------------------------
+
+    def record_fence(self, streams: Sequence[int] = (0,)) -> None:
+        with self._fence_lock, self._on_device():
+            for stream in streams:
+                event = self._fence_events.get(stream)
+                if event is None:
+                    event = self._fence_events[stream] = self._driver.event_create()
+                self._driver.event_record(event, stream)
+
+    def wait_fence(self) -> None:
+        with self._fence_lock:
+            events = list(self._fence_events.values())
+        if events:
+            with self._on_device():
+                for event in events:
+                    self._driver.event_synchronize(event)
+
     def close(self) -> None:
+        with self._fence_lock:
+            events, self._fence_events = list(self._fence_events.values()), {}
         with self._lock:
             if self._closed:
                 return
             self._closed = True
             with self._on_device():
+                for event in events:
+                    self._quietly(self._driver.event_destroy, event)
                 for address, (size, _) in list(self._book.mapped.items()):
                     self._quietly(self._driver.mem_unmap, address, size)
                 for handle, _ in self._handles.values():

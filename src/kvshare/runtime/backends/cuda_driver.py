@@ -128,3 +128,18 @@ class CudaDriver:
     def mem_get_info(self) -> tuple[int, int]:
         free, total = self._check("cuMemGetInfo", self._cu.cuMemGetInfo())
         return int(free), int(total)
+
+    # --- events (the device fence) ----------------------------------------------------------
+
+    def event_create(self) -> Any:
+        flags = self._cu.CUevent_flags.CU_EVENT_DISABLE_TIMING
+        return self._check("cuEventCreate", self._cu.cuEventCreate(flags))
+
+    def event_record(self, event: Any, stream: int) -> None:
+        self._check("cuEventRecord", self._cu.cuEventRecord(event, self._cu.CUstream(stream)))
+
+    def event_synchronize(self, event: Any) -> None:
+        self._check("cuEventSynchronize", self._cu.cuEventSynchronize(event))
+
+    def event_destroy(self, event: Any) -> None:
+        self._check("cuEventDestroy", self._cu.cuEventDestroy(event))

@@ -7,7 +7,10 @@
 - unmap: remap the range ``PROT_NONE`` (it stays reserved, nothing else can land there);
 - release: ``fallocate(PUNCH_HOLE)`` on the memfd range, so the memory really returns to
   the system and another process can take it (the analogue of ``cuMemRelease``);
-- tensor: ``torch.frombuffer`` over the address range (zero copy).
+- tensor: ``torch.frombuffer`` over the address range (zero copy);
+- fence: the backend's :class:`~kvshare.runtime.fence.HostStream` (:meth:`HostBackend.launch`
+  runs work on it in order, as kernels run on a CUDA stream); engines on a CPU compute
+  synchronously and launch nothing there, so their fences pass at once.
 
 Every address is bounds-checked against the reservations before any ``MAP_FIXED`` call.
 """
@@ -20,6 +23,7 @@ import logging
 import mmap as _pymmap
 import os
 import threading
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from kvshare.runtime.backends import libc
@@ -29,6 +33,7 @@ from kvshare.runtime.errors import (
     MapCountExceededError,
     OutOfDeviceMemoryError,
 )
+from kvshare.runtime.fence import HostStream
 
 if TYPE_CHECKING:
     import torch
@@ -75,6 +80,7 @@ class HostBackend(Backend):
         # are mapped again only with MAP_FIXED_NOREPLACE.
         self._holes: set[int] = set()
         self._closed = False
+        self.stream = HostStream()
 
     @property
     def granularity(self) -> int:
@@ -210,6 +216,19 @@ class HostBackend(Backend):
                     return int(line.split()[1]) * 1024
         raise BackendError("/proc/meminfo has no MemAvailable line")
 
+    # --- in-flight work --------------------------------------------------------------------
+
+    def launch(self, work: Callable[[], object]) -> None:
+        """Run ``work`` on this backend's stream, after the work launched before it."""
+        self.stream.launch(work)
+
+    def record_fence(self, streams: Sequence[int] = (0,)) -> None:
+        del streams  # one stream on the host
+        self.stream.mark()
+
+    def wait_fence(self) -> None:
+        self.stream.wait()
+
     def mapped_ranges(self) -> dict[int, int]:
         """Address -> size of every page mapped now."""
         with self._lock:
@@ -220,6 +239,7 @@ class HostBackend(Backend):
         return os.fstat(self._fd).st_blocks * 512
 
     def close(self) -> None:
+        self.stream.close()
         with self._lock:
             if self._closed:
                 return

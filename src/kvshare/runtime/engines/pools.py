@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, cast
 
@@ -38,13 +38,17 @@ log = logging.getLogger(__name__)
 __all__ = [
     "EngineConfigError",
     "Role",
+    "begin_startup_turn",
     "device_index",
+    "end_startup_turn",
     "forget_pools",
     "lease_for",
+    "mark_launched",
     "open_local_pool",
     "open_owner_pool",
     "open_rank",
     "page_size",
+    "startup_budget",
     "startup_turn",
     "virtual_kv_bytes",
 ]
@@ -64,8 +68,9 @@ class Role:
     ownership: Literal["local", "coordinated"]
 
 
-_lock = threading.Lock()  # guards _opened and _gpu_totals
+_lock = threading.Lock()  # guards _opened, _held_turn and _gpu_totals
 _opened: list[KVPool | RankServer] = []  # closed by forget_pools (engine shutdown, tests)
+_held_turn: contextlib.ExitStack | None = None  # begin_startup_turn .. end_startup_turn
 #: GPU UUID -> its memory, as the broker's start-up turn stated it (the node agent's inventory).
 _gpu_totals: dict[str, int] = {}
 
@@ -93,17 +98,20 @@ def page_size() -> int:
 def virtual_kv_bytes(device: torch.device | str, rank: int = 0) -> int:
     """The KV capacity the engine sizes its cache for: the pool's virtual size.
 
-    ``KVSHARE_KV_MAX`` when set; otherwise the GPU's total memory less this worker's
-    static footprint (``KVSHARE_STATIC_BYTES``), the total read from the CUDA device, or
-    for a pool without one (the ``host`` backend) from the node agent's inventory as the
-    broker's start-up turn stated it; standalone, without a node agent, the fixed lease
-    (``KVSHARE_KV_LIMIT``), which the pool never maps beyond. Never the device's *free*
-    memory, which co-located servers change under each other. Physical use is bounded by
-    the lease.
+    ``KVSHARE_KV_CAPACITY`` when set (the operator sets it from the GPU, so that
+    ``kvCache.max`` can be raised in place), else ``KVSHARE_KV_MAX``; otherwise the GPU's
+    total memory less this worker's static footprint (``KVSHARE_STATIC_BYTES``), the total
+    read from the CUDA device, or for a pool without one (the ``host`` backend) from the
+    node agent's inventory as the broker's start-up turn stated it; standalone, without a
+    node agent, the fixed lease (``KVSHARE_KV_LIMIT``), which the pool never maps beyond.
+    Never the device's *free* memory, which co-located servers change under each other.
+    Physical use is bounded by the lease.
     """
-    kv_max = env.KV_MAX.read()
-    if kv_max is not None:
-        return kv_max
+    sized = env.KV_CAPACITY.read()
+    if sized is None:
+        sized = env.KV_MAX.read()
+    if sized is not None:
+        return sized
     import torch
 
     target = torch.device(device)
@@ -118,8 +126,8 @@ def virtual_kv_bytes(device: torch.device | str, rank: int = 0) -> int:
         return limit
     raise EngineConfigError(
         f"a KV cache on {target} has no device memory to be sized from and no node agent "
-        "stated its GPU's memory; set KVSHARE_KV_MAX to the largest KV cache (bytes) this "
-        "worker may grow to"
+        "stated its GPU's memory; set KVSHARE_KV_CAPACITY (or KVSHARE_KV_MAX) to the largest "
+        "KV cache (bytes) this worker may grow to"
     )
 
 
@@ -148,6 +156,22 @@ def _lease_chunk() -> int:
 
     chunk = env.LEASE_CHUNK.read()
     return DEFAULT_LEASE_CHUNK_BYTES if chunk is None else chunk
+
+
+def startup_budget() -> int:
+    """Device memory kvshare grants this worker at start-up: its static footprint
+    (``KVSHARE_STATIC_BYTES``) plus the KV memory it can count on — its ``kv min`` under the
+    broker (what its start-up turn reserves), or its fixed ``KVSHARE_KV_LIMIT`` standalone.
+
+    What an engine's own start-up check of free memory should ask for on a shared GPU,
+    instead of a fraction of the device's total.
+    """
+    from kvshare.runtime.broker_client import broker_present, broker_socket_path
+
+    static = env.STATIC_BYTES.require()
+    if broker_present(broker_socket_path()):
+        return static + env.KV_MIN.require()
+    return static + (env.KV_LIMIT.read() or 0)
 
 
 def _backend_kind() -> BackendKind:
@@ -252,6 +276,23 @@ def open_owner_pool(geometry: KVGeometry, group: str, world_size: int) -> KVPool
     return pool
 
 
+def mark_launched(device: torch.device | str, streams: Sequence[object] = ()) -> None:
+    """The engine has launched a step's device work: every pool and rank of this process
+    marks its device fence on the current stream and ``streams`` (torch streams), so no
+    page is unmapped before that work is done (:mod:`kvshare.runtime.fence`). Once a step."""
+    import torch
+
+    handles: tuple[int, ...] = (0,)
+    if torch.device(device).type == "cuda":
+        current = torch.cuda.current_stream(torch.device(device))
+        found = (current, *streams)
+        handles = tuple(sorted({int(s.cuda_stream) for s in found if s is not None}))  # type: ignore[attr-defined]
+    with _lock:
+        backends = [item.backend for item in _opened if item.backend is not None]
+    for backend in backends:
+        backend.record_fence(handles)
+
+
 def forget_pools() -> None:
     """Close every pool and rank server this process opened, and forget the GPU memory
     start-up turns stated (engine shutdown, tests)."""
@@ -264,10 +305,12 @@ def forget_pools() -> None:
 
 
 @contextlib.contextmanager
-def startup_turn(role: Role) -> Iterator[None]:
+def startup_turn(role: Role, group: str = "") -> Iterator[None]:
     """Hold the GPU's start-up turn from the broker while the engine profiles memory.
 
-    Without a node agent (``KVSHARE_KV_LIMIT`` standalone use) there is no turn to take.
+    The ranks of a tensor-parallel group name their ``group`` (unique within the pod): the
+    broker gives them their turns together. Without a node agent (``KVSHARE_KV_LIMIT``
+    standalone use) there is no turn to take.
     """
     from kvshare.runtime.broker_client import (
         PoolIdentity,
@@ -290,8 +333,31 @@ def startup_turn(role: Role) -> Iterator[None]:
         static_bytes=env.STATIC_BYTES.require(),
         kv_min=env.KV_MIN.require(),
         identity=identity,
+        group="/".join(part for part in (identity.pod_uid, group or role.engine) if part),
     ) as granted:
         if granted.gpu_total > 0:
             with _lock:
                 _gpu_totals[gpu] = granted.gpu_total
         yield
+
+
+def begin_startup_turn(role: Role, group: str = "") -> None:
+    """Take the GPU's start-up turn for this process until :func:`end_startup_turn` — for an
+    engine whose start-up spans several of its functions (SGLang: one scheduler per
+    process, from loading its weights to building its KV buffers)."""
+    global _held_turn
+    turn = contextlib.ExitStack()
+    turn.enter_context(startup_turn(role, group))
+    with _lock:
+        previous, _held_turn = _held_turn, turn
+    if previous is not None:
+        previous.close()
+
+
+def end_startup_turn() -> None:
+    """Give back the turn :func:`begin_startup_turn` took, if it is still held."""
+    global _held_turn
+    with _lock:
+        turn, _held_turn = _held_turn, None
+    if turn is not None:
+        turn.close()

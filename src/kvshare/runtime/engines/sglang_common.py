@@ -5,8 +5,12 @@ rank opens its own :class:`~kvshare.runtime.pool.KVPool` with *local* ownership:
 operations never leave the rank, while the real rank and TP size still reach the lease
 (identity, metrics). What changes in SGLang:
 
-- **Capacity** (``KVCacheConfigurator._profile_available_bytes``): the pool's virtual size,
-  inside the GPU's start-up turn, instead of the device's free memory.
+- **Capacity** (``KVCacheConfigurator._profile_available_bytes``): the pool's virtual size
+  instead of the device's free memory.
+- **Start-up turn** (``Scheduler.init_model_worker`` to ``_create_buffers_normal``): the
+  rank holds its GPU's turn from before it loads the model's weights until its KV buffers
+  exist in the pool, so engines starting on one GPU never load into memory the broker has
+  lent out, and the turn's reservation passes to the pool.
 - **Tensors** (``MHATokenToKVPool._create_buffers_normal``): K and V of every layer are
   adjacent buffers of the pool's reserved range, shaped as SGLang shapes them (one pool
   block is one SGLang page; slot 0's page is the pool's reserved block 0). Quantized and
@@ -14,12 +18,19 @@ operations never leave the rank, while the real rank and TP size still reach the
 - **Slots** (both token allocators): the allocator's free list only ever holds pages the
   pool granted for the call at hand. Before an allocation the allocator is topped up from
   ``KVPool.alloc`` with exactly the pages the call needs (nothing when the pool is
-  exhausted, so SGLang's own "no space" path runs: evict, retract or wait); freed pages go
-  straight back to the pool. ``available_size`` is what the pool can hand out now.
+  exhausted, so SGLang's own "no space" path runs: evict, retract or wait); freed pages
+  leave the free list at once and reach the pool when their asynchronous copy to the host
+  is done (:mod:`.host_copies`): nothing on this path waits for the device.
+  ``available_size`` is what the pool can hand out now plus the pages on their way back.
 - **Eviction** (``RadixCache.__init__`` and ``Scheduler.ingest_requests``): the radix
   cache is the pool's evictor. The pool asks from its own thread; the request is carried
   out by the scheduler at the start of its next loop iteration (idle or not), where
   SGLang's radix tree is consistent.
+- **Fence** (``Scheduler.run_batch``): once a batch is launched the rank marks its pool's
+  device fence on the streams it runs on (the forward stream of the overlap scheduler);
+  SGLang frees a finished request's slots after launching the next batch, which may still
+  read them, and the pool unmaps a freed page only once that work is done
+  (:mod:`kvshare.runtime.fence`).
 - **Ranks in step**: ranks must take identical allocation decisions, but each has its own
   GPU's lease. At that same point of every iteration the TP group agrees (one small
   all-reduce on SGLang's CPU group) on the smallest rank lease and the largest eviction
@@ -29,12 +40,13 @@ operations never leave the rank, while the real rank and TP size still reach the
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable
 from math import prod
 from typing import TYPE_CHECKING, Any, cast
 
-from kvshare.runtime.engines import pools
+from kvshare.runtime.engines import host_copies, pools
 from kvshare.runtime.engines.group_lease import AgreedLease
 from kvshare.runtime.engines.patching import AnyCallable, Patch, PatchSet, Target
 from kvshare.runtime.engines.pools import EngineConfigError, Role
@@ -51,6 +63,7 @@ __all__ = ["RadixEvictor", "pool_of", "sglang_patch_set"]
 ENGINE = "sglang"
 _POOL_ATTRIBUTE = "_kvshare_pool"
 _GRANTS_ATTRIBUTE = "_kvshare_grants"
+_RETURNING_ATTRIBUTE = "_kvshare_returning"
 _EVICTOR_ATTRIBUTE = "_kvshare_evictor"
 
 
@@ -122,6 +135,7 @@ def buffers_from_pool(original: AnyCallable) -> AnyCallable:
         self.k_buffer = [view(2 * layer) for layer in range(self.layer_num)]
         self.v_buffer = [view(2 * layer + 1) for layer in range(self.layer_num)]
         setattr(self, _POOL_ATTRIBUTE, pool)
+        pools.end_startup_turn()  # the pool holds what the turn reserved
 
     return _create_buffers_normal
 
@@ -197,45 +211,68 @@ def _grants(allocator: Any, pool: KVPool) -> torch.Tensor:
     return grants
 
 
+def _returning(allocator: Any) -> list[host_copies.HostCopy]:
+    """Freed pages on their way back to the pool (copies to the host, oldest first)."""
+    returning: list[host_copies.HostCopy] | None = getattr(allocator, _RETURNING_ATTRIBUTE, None)
+    if returning is None:
+        returning = []
+        setattr(allocator, _RETURNING_ATTRIBUTE, returning)
+    return returning
+
+
+def _returning_pages(allocator: Any) -> int:
+    return sum(len(copy) for copy in getattr(allocator, _RETURNING_ATTRIBUTE, None) or ())
+
+
+def _hand_back(allocator: Any, pool: KVPool, *, wait: bool = False) -> None:
+    """Free the pages whose copy to the host is done in the pool (all of them with ``wait``)."""
+    returning = _returning(allocator)
+    while returning and (wait or returning[0].done()):
+        ids = returning.pop(0).values()
+        _grants(allocator, pool)[ids] = False
+        pool.free(ids)
+
+
 def _top_up(allocator: Any, pages: int) -> None:
     """Put pages granted by the pool on the free list until it holds ``pages``."""
-    import torch
-
     pool = pool_of(allocator)
     if pool is None:
         return
+    _hand_back(allocator, pool)
     short = pages - _held_free_pages(allocator)
     if short <= 0:
         return
     ids = pool.alloc(short)
-    if not ids:
+    if not ids and _returning(allocator):
+        _hand_back(allocator, pool, wait=True)  # out of room: the pages on their way back
+        ids = pool.alloc(short)
+    if not isinstance(ids, list) or not ids:
         return  # exhausted: SGLang's own check finds too few pages and says no
-    granted = torch.tensor(ids, dtype=torch.int64)
-    _grants(allocator, pool)[granted] = True
-    allocator.free_pages = torch.cat(
-        (allocator.free_pages, granted.to(allocator.free_pages.device))
-    )
+    import torch
+
+    _grants(allocator, pool)[ids] = True
+    granted = host_copies.to_device(ids, allocator.free_pages)
+    allocator.free_pages = torch.cat((allocator.free_pages, granted))
 
 
 def _drain(allocator: Any) -> None:
-    """Give every page on the allocator's free lists back to the pool."""
+    """Take every page off the allocator's free lists; each goes back to the pool once its
+    copy to the host is done (never waiting for the device here)."""
     pool = pool_of(allocator)
     if pool is None:
         return
     lists = _free_lists(allocator)
     if not lists:
         return
-    import torch
-
-    ids = torch.cat([ids.cpu() for ids in lists])
-    _grants(allocator, pool)[ids] = False
+    returning = _returning(allocator)
+    returning.extend(host_copies.start_to_host(ids) for ids in lists)
     allocator.free_pages = allocator.free_pages[:0]
     if getattr(allocator, "release_pages", None) is not None:
         allocator.release_pages = allocator.release_pages[:0]
     if getattr(allocator, "staged_pages", None):
         allocator.staged_pages = []
         allocator.num_staged_pages = 0
-    pool.free(ids.tolist())
+    _hand_back(allocator, pool)
 
 
 def clearing_into_pool(original: AnyCallable) -> AnyCallable:
@@ -246,6 +283,7 @@ def clearing_into_pool(original: AnyCallable) -> AnyCallable:
         pool = pool_of(self)
         if pool is None:
             return
+        _returning(self).clear()  # still granted: freed with the rest below
         grants = _grants(self, pool)
         held = grants.nonzero().flatten()
         grants.zero_()
@@ -264,7 +302,9 @@ def counting_the_pool(original: AnyCallable) -> AnyCallable:
     def available_size(self: Any) -> int:
         pool = pool_of(self)
         own = int(original(self))
-        return own if pool is None else own + pool.available() * self.page_size
+        if pool is None:
+            return own
+        return own + (pool.available() + _returning_pages(self)) * int(self.page_size)
 
     return available_size
 
@@ -425,12 +465,30 @@ def evicting_at_each_iteration(original: AnyCallable) -> AnyCallable:
     """Wrapper for ``Scheduler.ingest_requests``: pending evictions run first."""
 
     def ingest_requests(self: Any, *args: Any, **kwargs: Any) -> Any:
+        allocator = getattr(self, "token_to_kv_pool_allocator", None)
+        pool = pool_of(allocator) if allocator is not None else None
+        if pool is not None:
+            _hand_back(allocator, pool)  # freed pages whose copy is done, before it evicts
         evictor = evictor_of(getattr(self, "tree_cache", None))
         if evictor is not None:
             evictor.step()
         return original(self, *args, **kwargs)
 
     return ingest_requests
+
+
+def marking_the_device_fence(original: AnyCallable) -> AnyCallable:
+    """Wrapper for ``Scheduler.run_batch``: the launched batch marks the pool's device fence
+    on the current stream and the overlap scheduler's forward stream."""
+
+    def run_batch(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)
+        pool = pool_of(self.token_to_kv_pool_allocator)
+        if pool is not None and pool.backend is not None:
+            pools.mark_launched(pool.backend.device, (getattr(self, "forward_stream", None),))
+        return result
+
+    return run_batch
 
 
 # --- capacity -------------------------------------------------------------------------
@@ -445,10 +503,35 @@ def sizing_from_pool(original: AnyCallable) -> AnyCallable:
         device = torch.device(self.device)
         if device.type == "cuda" and cast("int | None", device.index) is None:
             device = torch.device("cuda", self.gpu_id)
-        with pools.startup_turn(_rank_role()):
-            return pools.virtual_kv_bytes(device)
+        return pools.virtual_kv_bytes(device)
 
     return _profile_available_bytes
+
+
+#: The tensor-parallel rank and size of a scheduler (``Scheduler.init_model_worker`` runs
+#: before SGLang's parallel state exists; each line keeps them somewhere else).
+SchedulerRank = Callable[[Any], "tuple[int, int]"]
+
+
+def taking_the_startup_turn(scheduler_rank: SchedulerRank) -> Callable[[AnyCallable], AnyCallable]:
+    """Wrapper for ``Scheduler.init_model_worker``: the rank's start-up turn is held from
+    before the weights load; the KV buffers end it (:func:`buffers_from_pool`), and a
+    start-up that fails or builds none gives it back on the way out."""
+
+    def wrap(original: AnyCallable) -> AnyCallable:
+        def init_model_worker(self: Any) -> None:
+            rank, world_size = scheduler_rank(self)
+            # An engine's ranks are children of one launcher process: its pid names the group.
+            group = f"{ENGINE}-{os.getppid()}"
+            pools.begin_startup_turn(Role(ENGINE, rank, world_size, "local"), group)
+            try:
+                original(self)
+            finally:
+                pools.end_startup_turn()
+
+        return init_model_worker
+
+    return wrap
 
 
 # --- the patch list -------------------------------------------------------------------
@@ -466,10 +549,18 @@ def evict_tokens(num_tokens: int) -> Any:
     return EvictParams(num_tokens=num_tokens)
 
 
-def sglang_patch_set(line: str, *, ingest_parameters: tuple[str, ...]) -> PatchSet:
-    """The patches of one SGLang line; the lines differ in the scheduler's loop entry."""
+def sglang_patch_set(
+    line: str, *, ingest_parameters: tuple[str, ...], scheduler_rank: SchedulerRank
+) -> PatchSet:
+    """The patches of one SGLang line; the lines differ in the scheduler's loop entry and in
+    where a scheduler's tensor-parallel rank is kept."""
     self_only = ("self",)
     patches = [
+        Patch(
+            Target("sglang.srt.managers.scheduler", "Scheduler.init_model_worker", self_only),
+            taking_the_startup_turn(scheduler_rank),
+            "the rank holds its GPU's start-up turn from its weights to its KV buffers",
+        ),
         Patch(
             Target(
                 f"{_MEM}.kv_cache_configurator",
@@ -477,7 +568,7 @@ def sglang_patch_set(line: str, *, ingest_parameters: tuple[str, ...]) -> PatchS
                 ("self", "pre_model_load_memory"),
             ),
             sizing_from_pool,
-            "KV capacity from the pool's virtual size, in the GPU's start-up turn",
+            "KV capacity from the pool's virtual size, not free memory",
         ),
         Patch(
             Target(_POOL, "MHATokenToKVPool._create_buffers_normal", self_only),
@@ -572,6 +663,15 @@ def sglang_patch_set(line: str, *, ingest_parameters: tuple[str, ...]) -> PatchS
             Target("sglang.srt.managers.scheduler", "Scheduler.ingest_requests", ingest_parameters),
             evicting_at_each_iteration,
             "ranks agree on their lease and evict at each iteration",
+        ),
+        Patch(
+            Target(
+                "sglang.srt.managers.scheduler",
+                "Scheduler.run_batch",
+                ("self", "batch", "pp_proxy_tensors"),
+            ),
+            marking_the_device_fence,
+            "a launched batch marks the rank's device fence: no unmap before it is done",
         ),
     ]
     requires = [

@@ -11,9 +11,11 @@ the scheduler preempts or waits.
 Threads: the evictor runs on the pool's thread. One re-entrant lock per block pool
 (``PooledFreeBlockQueue.lock``) is held by every queue operation, by the evictor and around
 ``Scheduler.schedule`` and ``Scheduler.update_from_output`` (see
-:func:`holding_block_pool_lock`), so a prefix hit found in ``schedule`` is never evicted
-before ``schedule`` takes a reference to it. The same steps hold the pool's lease steady,
-so a reclaim never lands between vLLM counting free blocks and taking them.
+:func:`scheduling_a_step`), so a prefix hit found in ``schedule`` is never evicted before
+``schedule`` takes a reference to it. The same steps hold the pool's lease steady, so a
+reclaim never lands between vLLM counting free blocks and taking them, and count the
+pool's step fence: with asynchronous scheduling a block freed by one step's output may
+still be read by the next step, already on the GPU.
 """
 
 from __future__ import annotations
@@ -35,9 +37,10 @@ __all__ = [
     "BlockPoolEvictor",
     "PooledFreeBlockQueue",
     "attach",
-    "holding_block_pool_lock",
+    "finishing_a_step",
     "queue_of",
     "resetting_through_pool",
+    "scheduling_a_step",
     "signalling_shortfall",
     "usage_of_held_memory",
 ]
@@ -177,19 +180,33 @@ def attach(block_pool: Any, pool: KVPool) -> PooledFreeBlockQueue:
     return queue
 
 
-def holding_block_pool_lock(original: AnyCallable) -> AnyCallable:
-    """Wrapper for a scheduler step: the pool's evictor waits until it is over, and so does
-    a lowered lease (vLLM counts free blocks and takes them later in the step, with no way
-    to fail in between; see :meth:`KVPool.steady_lease`)."""
+def _holding_block_pool_lock(original: AnyCallable, counted: str) -> AnyCallable:
+    """A scheduler step that holds the block pool's lock and its lease steady, and counts
+    the step on the pool's step fence (``counted``: ``"scheduled"`` or ``"finished"``)."""
 
     def step(self: Any, *args: Any, **kwargs: Any) -> Any:
         queue = queue_of(self.kv_cache_manager.block_pool)
         if queue is None:
             return original(self, *args, **kwargs)
+        getattr(queue.pool.steps, counted)()
         with queue.pool.steady_lease(), queue.lock:
             return original(self, *args, **kwargs)
 
     return step
+
+
+def scheduling_a_step(original: AnyCallable) -> AnyCallable:
+    """Wrapper for ``Scheduler.schedule``: the pool's evictor waits until the step is over,
+    and so does a lowered lease (vLLM counts free blocks and takes them later in the step,
+    with no way to fail in between; see :meth:`KVPool.steady_lease`). The step counts as
+    scheduled: pages emptied from now on wait for its output before they are unmapped."""
+    return _holding_block_pool_lock(original, "scheduled")
+
+
+def finishing_a_step(original: AnyCallable) -> AnyCallable:
+    """Wrapper for ``Scheduler.update_from_output``: as :func:`scheduling_a_step`, and the
+    oldest step in flight counts as finished (its output is in hand)."""
+    return _holding_block_pool_lock(original, "finished")
 
 
 def resetting_through_pool(original: AnyCallable) -> AnyCallable:

@@ -6,6 +6,11 @@ What changes in vLLM:
   from the pool's virtual size, by setting vLLM's own ``kv_cache_memory_bytes`` before
   its profiling runs (the profile run still compiles the model). The device's free
   memory no longer matters.
+- **Start-up memory check** (``request_memory``, called by ``Worker.init_device``): vLLM
+  refuses to start unless the device's free memory covers ``gpu_memory_utilization`` of
+  its total, which a GPU shared with another engine never has. The check asks instead for
+  what kvshare grants this worker: its static footprint plus its KV minimum (or fixed
+  limit), and fails with kvshare's numbers when even that is not free.
 - **Start-up turn** (``Worker.init_device`` to ``Worker.initialize_from_config``): each
   worker holds its GPU's turn from the broker while vLLM checks free memory, loads
   weights, profiles and allocates its KV cache, so engines starting on one GPU do not
@@ -18,6 +23,10 @@ What changes in vLLM:
 - **Blocks** (``KVCacheCoordinator.__init__`` and the scheduler steps): the scheduler's
   ``BlockPool`` draws its block ids from the pool (:mod:`.vllm_blocks`); exhaustion makes
   ``allocate_slots`` return ``None`` and the scheduler preempts or waits.
+- **Fences** (``Scheduler.schedule``/``update_from_output``, ``Worker.execute_model``/
+  ``sample_tokens``): a page freed while steps are in flight is unmapped only once their
+  output is back (the scheduler's step fence) and, on every rank, once the work launched
+  on its own device is done (its device fence; :mod:`kvshare.runtime.fence`).
 
 Tensor parallelism uses *coordinated* ownership: each worker serves its device's memory
 through a rank server (``Worker.initialize_from_config`` names the group after vLLM's
@@ -30,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import copy
 import dataclasses
 import logging
 import re
@@ -41,8 +51,9 @@ from kvshare.runtime.engines.patching import AnyCallable, Deferred, Patch, Patch
 from kvshare.runtime.engines.pools import EngineConfigError, Role
 from kvshare.runtime.engines.vllm_blocks import (
     attach,
-    holding_block_pool_lock,
+    finishing_a_step,
     resetting_through_pool,
+    scheduling_a_step,
     signalling_shortfall,
     usage_of_held_memory,
 )
@@ -198,15 +209,14 @@ def hold_startup_turn(
     its KV cache exists (:func:`in_worker_group`), or gives it back if ``start`` fails."""
     group = group_of(vllm_config)
     turn = contextlib.ExitStack()
-    turn.enter_context(
-        pools.startup_turn(Role(ENGINE, int(local_rank), group.world_size, "coordinated"))
-    )
+    role = Role(ENGINE, int(local_rank), group.world_size, "coordinated")
+    turn.enter_context(pools.startup_turn(role, group.name))
+    setattr(worker, _TURN_ATTRIBUTE, turn)
     try:
         start()
     except BaseException:
         turn.close()
         raise
-    setattr(worker, _TURN_ATTRIBUTE, turn)
 
 
 def taking_the_startup_turn(original: AnyCallable) -> AnyCallable:
@@ -217,6 +227,50 @@ def taking_the_startup_turn(original: AnyCallable) -> AnyCallable:
         hold_startup_turn(self, self.vllm_config, self.local_rank, lambda: original(self))
 
     return init_device
+
+
+def checking_the_grant(original: AnyCallable) -> AnyCallable:
+    """Wrapper for ``request_memory``: vLLM's free-memory check at start-up, against what
+    kvshare grants this worker instead of ``gpu_memory_utilization`` of the device."""
+
+    def request_memory(init_snapshot: Any, cache_config: Any, *args: Any) -> int:
+        total = int(init_snapshot.total_memory)
+        budget = pools.startup_budget()
+        if budget > total:
+            raise EngineConfigError(
+                f"kvshare grants this worker {_gib(budget)} GiB (static footprint and KV "
+                f"minimum) but device {init_snapshot.device_} has {_gib(total)} GiB in all; "
+                "lower KVSHARE_STATIC_BYTES or the KV minimum"
+            )
+        granted = copy.copy(cache_config)
+        granted.gpu_memory_utilization = max(budget, 1) / total
+        try:
+            return original(init_snapshot, granted, *args)  # type: ignore[no-any-return]
+        except ValueError as exc:
+            raise EngineConfigError(
+                f"device {init_snapshot.device_} has {_gib(init_snapshot.free_memory)} GiB "
+                f"free, less than the {_gib(budget)} GiB kvshare grants this worker (static "
+                "footprint and KV minimum): memory the broker does not account for is in "
+                f"use on this GPU, or KVSHARE_STATIC_BYTES is too high (vLLM: {exc})"
+            ) from exc
+
+    return request_memory
+
+
+def marking_the_device_fence(original: AnyCallable) -> AnyCallable:
+    """Wrapper for ``Worker.execute_model`` and ``Worker.sample_tokens``: once the step's
+    work is launched, this worker's rank marks its device fence on the current stream."""
+
+    def step(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)
+        pools.mark_launched(self.device)
+        return result
+
+    return step
+
+
+def _gib(size: int) -> str:
+    return f"{size / 2**30:.1f}"
 
 
 def in_worker_group(original: AnyCallable) -> AnyCallable:
@@ -384,6 +438,8 @@ def attaching_block_pool(original: AnyCallable) -> AnyCallable:
 _WORKER = "vllm.v1.worker"
 _CORE = "vllm.v1.core"
 _ALLOCATE = ("kv_cache_config", "device", "layout", "kernel_block_sizes")
+#: ``request_memory``'s parameters since 0.32 (0.30.x has no external weight memory).
+REQUEST_MEMORY_PARAMETERS = ("init_snapshot", "cache_config", "external_weight_memory")
 #: Constructor parameters every supported line shares; lines append their own.
 COORDINATOR_PARAMETERS = (
     "self",
@@ -444,6 +500,7 @@ def vllm_patch_set(
     kernel_block_size: KernelBlockSize,
     allocate_slots_parameters: tuple[str, ...],
     deferred: tuple[Deferred, ...] = (),
+    request_memory_parameters: tuple[str, ...] = REQUEST_MEMORY_PARAMETERS,
 ) -> PatchSet:
     """The patches of one vLLM line. The lines keep the targets in the same places; they
     differ in constructor and ``allocate_slots`` parameters and in how a tensor's kernel
@@ -456,6 +513,11 @@ def vllm_patch_set(
             Target(f"{_WORKER}.gpu_worker", "Worker.init_device", ("self",)),
             taking_the_startup_turn,
             "the worker holds its GPU's start-up turn until its KV cache exists",
+        ),
+        Patch(
+            Target(f"{_WORKER}.gpu_worker", "request_memory", request_memory_parameters),
+            checking_the_grant,
+            "the start-up free-memory check asks for what kvshare grants this worker",
         ),
         Patch(
             Target(f"{_WORKER}.gpu_worker", "Worker.determine_available_memory", ("self",)),
@@ -496,12 +558,27 @@ def vllm_patch_set(
         *(
             Patch(
                 Target(scheduler, f"Scheduler.{name}", parameters),
-                holding_block_pool_lock,
-                "the pool evicts cached blocks and lowers its lease between scheduler steps",
+                wrap,
+                "the pool evicts, lowers its lease and counts steps between scheduler steps",
             )
-            for name, parameters in (
-                ("schedule", ("self", "throttle_prefills")),
-                ("update_from_output", ("self", "scheduler_output", "model_runner_output")),
+            for name, parameters, wrap in (
+                ("schedule", ("self", "throttle_prefills"), scheduling_a_step),
+                (
+                    "update_from_output",
+                    ("self", "scheduler_output", "model_runner_output"),
+                    finishing_a_step,
+                ),
+            )
+        ),
+        *(
+            Patch(
+                Target(f"{_WORKER}.gpu_worker", f"Worker.{name}", ("self", parameter)),
+                marking_the_device_fence,
+                "a launched step marks the worker's device fence: no unmap before it is done",
+            )
+            for name, parameter in (
+                ("execute_model", "scheduler_output"),
+                ("sample_tokens", "grammar_output"),
             )
         ),
         Patch(

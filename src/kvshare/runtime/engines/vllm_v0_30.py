@@ -1,7 +1,8 @@
 """Patches for vLLM 0.30.x (see :mod:`kvshare.runtime.engines.vllm_common`).
 
-Differs from 0.33.x in constructor parameters (no hash look-ahead) and in the kernel
-block size of MLA layers that have a storage block size of their own.
+Differs from 0.33.x in constructor parameters (no hash look-ahead, no external weight
+memory in the start-up check) and in the kernel block size of MLA layers that have a
+storage block size of their own.
 """
 
 from __future__ import annotations
@@ -36,4 +37,5 @@ PATCHES = vllm_patch_set(
     kernel_block_size=_kernel_block_size,
     allocate_slots_parameters=ALLOCATE_SLOTS_PARAMETERS,
     deferred=(cpu_worker_patches("0.30.x"),),
+    request_memory_parameters=("init_snapshot", "cache_config"),
 )

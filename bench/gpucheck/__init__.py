@@ -1,0 +1,1 @@
+"""The steps of ``make gpu-check`` (``bench/gpu_check.py``), one module each."""

