@@ -85,11 +85,11 @@ def test_a_host_pool_is_sized_from_the_gpu_memory_the_agent_declares(
     monkeypatch.delenv(env.KV_MAX.name, raising=False)
     monkeypatch.delenv(env.KV_LIMIT.name, raising=False)
     monkeypatch.delenv(env.KV_CAPACITY.name, raising=False)
-    with pools.startup_turn(Role("vllm", 1, 2, "coordinated")):
-        # Rank 1's GPU is agent.gpus[1]: its declared 8 GiB, less the worker's static bytes.
-        assert pools.virtual_kv_bytes("cpu", rank=1) == 8 * 2**30 - 256 * MIB
+    with pools.startup_turn(Role("vllm", 0, 1, "coordinated")):
+        # Rank 0's GPU is agent.gpus[0]: its declared 8 GiB, less the worker's static bytes.
+        assert pools.virtual_kv_bytes("cpu", rank=0) == 8 * 2**30 - 256 * MIB
     with pytest.raises(pools.EngineConfigError, match="set KVSHARE_KV_CAPACITY"):
-        pools.virtual_kv_bytes("cpu", rank=0)  # no turn taken on GPU 0: nothing stated it
+        pools.virtual_kv_bytes("cpu", rank=1)  # no turn taken on GPU 1: nothing stated it
 
 
 def test_under_the_broker_a_worker_is_granted_its_static_footprint_and_kv_min(
