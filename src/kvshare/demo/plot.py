@@ -14,10 +14,9 @@ from pathlib import Path
 
 from kvshare.demo.stats import MODES, Comparison, ServerResult
 from kvshare.demo.trace import Phase
+from kvshare.demo.view import unit_of
 
 __all__ = ["write_plot"]
-
-_GIB = 2**30
 
 
 def write_plot(
@@ -37,6 +36,7 @@ def write_plot(
 
     models = sorted({r.model for r in results})
     colours = [plt.get_cmap("tab10")(i % 10) for i in range(max(models, default=0) + 1)]
+    unit, unit_name = unit_of(gpu_bytes)
     fig, axes = plt.subplots(3, 1, figsize=(11, 9), sharex=True)
     titles = {
         "static": "static partitions: KV memory per model (equal shares; line: mapped)",
@@ -47,7 +47,7 @@ def write_plot(
         _shade_busy(ax, phases, colours)
         if mine and mine[0].samples:
             times = [s.t for s in mine[0].samples]
-            stacks = [_on(r, times, "lease") for r in mine]
+            stacks = [_on(r, times, "lease", unit) for r in mine]
             ax.stackplot(
                 times,
                 stacks,
@@ -55,12 +55,13 @@ def write_plot(
                 colors=[colours[r.model] for r in mine],
                 alpha=0.85,
             )
-            mapped = [sum(v) for v in zip(*(_on(r, times, "held") for r in mine), strict=True)]
+            held = [_on(r, times, "held", unit) for r in mine]
+            mapped = [sum(v) for v in zip(*held, strict=True)]
             ax.plot(times, mapped, color="black", linewidth=1, label="mapped (all models)")
-        ax.axhline(gpu_bytes / _GIB, color="black", linestyle="--", linewidth=1)
-        ax.text(0, gpu_bytes / _GIB, " GPU", va="bottom", fontsize=8)
-        ax.set_ylim(0, gpu_bytes / _GIB * 1.12)
-        ax.set_ylabel("GiB")
+        ax.axhline(gpu_bytes / unit, color="black", linestyle="--", linewidth=1)
+        ax.text(0, gpu_bytes / unit, " GPU", va="bottom", fontsize=8)
+        ax.set_ylim(0, gpu_bytes / unit * 1.12)
+        ax.set_ylabel(unit_name)
         ax.set_title(titles[mode], fontsize=10, loc="left")
         ax.legend(loc="upper right", fontsize=8, ncol=len(mine) + 1)
 
@@ -86,7 +87,8 @@ def write_plot(
     ax.set_xlim(0, duration_s)
 
     fig.suptitle(
-        f"kvshare demo: {len(models)} models on one {gpu_bytes / _GIB:.1f} GiB GPU — served "
+        f"kvshare demo: {len(models)} models on one {gpu_bytes / unit:.1f} {unit_name} GPU — "
+        f"served "
         f"static {comparison.static.served}, elastic {comparison.elastic.served} "
         f"(x{comparison.ratio:.2f})",
         fontsize=11,
@@ -98,8 +100,9 @@ def write_plot(
     return path
 
 
-def _on(result: ServerResult, times: Sequence[float], what: str) -> list[float]:
-    """GiB of sample field ``what`` at each of ``times`` (latest sample at or before it)."""
+def _on(result: ServerResult, times: Sequence[float], what: str, unit: int) -> list[float]:
+    """Sample field ``what`` in ``unit`` bytes at each of ``times`` (latest sample at or
+    before it)."""
     values = []
     index = 0
     samples = result.samples
@@ -107,7 +110,7 @@ def _on(result: ServerResult, times: Sequence[float], what: str) -> list[float]:
         while index + 1 < len(samples) and samples[index + 1].t <= t:
             index += 1
         size = getattr(samples[index], what) if samples and samples[index].t <= t else 0
-        values.append(size / _GIB)
+        values.append(size / unit)
     return values
 
 

@@ -205,8 +205,11 @@ class _Memory:
     reclaimed_bytes: int = 0
 
     def read(self, vllm: Sequence[MetricSample]) -> tuple[int, int, int, int]:
-        """Held, used and leased bytes now, and the highest lease of the last
-        :data:`REPORT_LAG_S` seconds."""
+        """Held, used and leased bytes now, and the most the pool may hold: the highest
+        lease of the last :data:`REPORT_LAG_S` seconds, or what the broker books for it if
+        that is more (the old lease until the pool acknowledges a reclaim). Leases are
+        only seen at samples, so one raised and lowered again between two is seen through
+        the booking alone."""
         usage = total(vllm, "vllm:kv_cache_usage_perc")
         if self.mode == "static" or self.agent_metrics is None:
             return (
@@ -228,7 +231,8 @@ class _Memory:
         now = time.monotonic()
         self.leases = [(t, b) for t, b in self.leases if now - t <= REPORT_LAG_S]
         self.leases.append((now, lease))
-        return held, int(usage * lease), lease, max(b for _, b in self.leases)
+        charged = int(total(books, "kvshare_pool_kv_charged_bytes", pod=self.pod))
+        return held, int(usage * lease), lease, max(charged, *(b for _, b in self.leases))
 
 
 def _sample(replay: Replay, server: VllmServer, memory: _Memory, now_s: float) -> Sample:

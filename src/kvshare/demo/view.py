@@ -14,15 +14,21 @@ from typing import TextIO
 
 from kvshare.demo.stats import MODES, Mode, Sample
 
-__all__ = ["LiveView", "format_gib", "render_frame", "render_line"]
+__all__ = ["LiveView", "format_size", "render_frame", "render_line", "unit_of"]
 
 _BAR = 16
 _TITLES: dict[Mode, str] = {"static": "static partitions", "elastic": "elastic (kvshare)"}
 
 
-def format_gib(size: float) -> str:
-    """Bytes as GiB with two decimals."""
-    return f"{size / 2**30:.2f} GiB"
+def unit_of(gpu_bytes: int) -> tuple[int, str]:
+    """GiB for a GPU of a GiB or more, MiB below (the real engines' demo GPU)."""
+    return (2**30, "GiB") if gpu_bytes >= 2**30 else (2**20, "MiB")
+
+
+def format_size(size: float, gpu_bytes: int) -> str:
+    """Bytes with two decimals, in the unit of a GPU of ``gpu_bytes``."""
+    unit, name = unit_of(gpu_bytes)
+    return f"{size / unit:.2f} {name}"
 
 
 def _bar(size: float, scale: float) -> str:
@@ -35,7 +41,7 @@ def _cells(sample: Sample | None, scale: float) -> str:
         return f"{'-':>6} {'-':>6}  {'·' * _BAR} {'starting':>9}"
     return (
         f"{sample.served:>6} {sample.waiting:>6}  {_bar(sample.lease, scale)} "
-        f"{format_gib(sample.lease):>9}"
+        f"{format_size(sample.lease, scale):>9}"
     )
 
 
@@ -53,7 +59,8 @@ def render_frame(
     filled = round(30 * done)
     lines = [
         f"kvshare demo  {'━' * filled}{'─' * (30 - filled)}  {elapsed_s:5.1f} s of "
-        f"{duration_s:.0f} s   each run: {models} models on one {format_gib(gpu_bytes)} GPU",
+        f"{duration_s:.0f} s   each run: {models} models on one "
+        f"{format_size(gpu_bytes, gpu_bytes)} GPU",
         "",
         (f"{'':<9}" + "".join(f"{_TITLES[m]:<44}" for m in MODES)).rstrip(),
         (
@@ -72,25 +79,29 @@ def render_frame(
             served = sum(s.served for s in samples)
             queued = sum(s.waiting for s in samples)
             held = sum(s.lease for s in samples)
-            total += f"{served:>6} {queued:>6}  {_bar(held, gpu_bytes)} {format_gib(held):>9}   "
+            size = format_size(held, gpu_bytes)
+            total += f"{served:>6} {queued:>6}  {_bar(held, gpu_bytes)} {size:>9}   "
         else:
             total += _cells(None, gpu_bytes) + "   "
     lines += [total.rstrip(), "", *footer]
     return lines
 
 
-def render_line(elapsed_s: float, models: int, latest: Mapping[tuple[Mode, int], Sample]) -> str:
+def render_line(
+    elapsed_s: float, models: int, latest: Mapping[tuple[Mode, int], Sample], gpu_bytes: int
+) -> str:
     """One progress line for a non-interactive output."""
+    unit, name = unit_of(gpu_bytes)
     parts = []
     for mode in MODES:
         samples = [latest[(mode, m)] for m in range(models) if (mode, m) in latest]
         if not samples:
             parts.append(f"{mode}: starting")
             continue
-        held = " ".join(format_gib(s.lease).replace(" GiB", "") for s in samples)
+        held = " ".join(f"{s.lease / unit:.2f}" for s in samples)
         parts.append(
             f"{mode}: served {sum(s.served for s in samples)}, queued "
-            f"{sum(s.waiting for s in samples)}, KV GiB per model {held}"
+            f"{sum(s.waiting for s in samples)}, KV {name} per model {held}"
         )
     return f"[{elapsed_s:5.1f} s] " + " | ".join(parts)
 
@@ -145,5 +156,5 @@ class LiveView:
             if now - self._last_plain < self._plain_every_s:
                 return
             self._last_plain = now
-            self._stream.write(render_line(elapsed_s, self._models, latest) + "\n")
+            self._stream.write(render_line(elapsed_s, self._models, latest, self._gpu_bytes) + "\n")
         self._stream.flush()
