@@ -23,6 +23,7 @@ from kvshare.api import env as env_module
 from kvshare.api import names
 from kvshare.deviceplugin import node_config
 from kvshare.deviceplugin.node_config import NodeConfigFile, load_config_file, select
+from kvshare.deviceplugin.policy import DEFAULT_POLICY, POLICIES
 from tests.chart.helm import (
     CERT_MANAGER,
     CHART,
@@ -274,6 +275,13 @@ def test_cdi_and_fake_gpus_reach_the_node_agent(tmp_path: Path) -> None:
     assert "NVIDIA_VISIBLE_DEVICES" not in {e["name"] for e in container["env"]}
 
 
+def test_the_broker_policy_value_reaches_the_node_agent() -> None:
+    args = _pod_spec(template(), "DaemonSet")["containers"][0]["args"]
+    assert f"--broker-policy={DEFAULT_POLICY}" in args
+    fair = _pod_spec(template({"nodeAgent.brokerPolicy": "fair-share"}), "DaemonSet")
+    assert "--broker-policy=fair-share" in fair["containers"][0]["args"]
+
+
 def test_each_node_runs_the_configuration_its_label_names(tmp_path: Path) -> None:
     values, _ = MATRIX["per-node-configs"]
     rendered = template(values)
@@ -497,6 +505,10 @@ def test_chart_defaults_agree_with_the_names_the_programs_use() -> None:
     assert defaults["nodeAgent"]["metricsPort"] == names.METRICS_PORT
     assert defaults["nodeAgent"]["devicePluginDir"] == names.DEVICE_PLUGIN_DIR
     assert defaults["nodeAgent"]["configLabel"] == node_config.DEFAULT_LABEL
+    assert defaults["nodeAgent"]["brokerPolicy"] == DEFAULT_POLICY
+    schema = json.loads((CHART / "values.schema.json").read_text(encoding="utf-8"))
+    policy = schema["properties"]["nodeAgent"]["properties"]["brokerPolicy"]
+    assert sorted(policy["enum"]) == sorted(POLICIES)
     assert defaults["webhook"]["port"] == names.WEBHOOK_PORT
     rendered = template({"webhook.enabled": True})
     (hook,) = rendered.one("MutatingWebhookConfiguration")["webhooks"]

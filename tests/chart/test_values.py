@@ -34,6 +34,7 @@ def _refusal(values: dict[str, Any]) -> str:
         ({"monitoring.alerts.denialsFor": "soon"}, "monitoring.alerts.denialsFor: Does not match"),
         ({"nodeAgent.slotPerGpu": 8}, "nodeAgent: Additional property slotPerGpu is not allowed"),
         ({"operator.replicas": 0}, "operator.replicas: Must be greater than or equal to 1"),
+        ({"nodeAgent.brokerPolicy": "fifo"}, "nodeAgent.brokerPolicy: nodeAgent.brokerPolicy must"),
     ],
     ids=lambda v: str(v)[:40],
 )
