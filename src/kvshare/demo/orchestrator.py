@@ -85,14 +85,13 @@ ENGINES: tuple[Engine, ...] = ("sim", "vllm")
 FINISH_GRACE_S = 30.0
 
 #: Pool settings of a real vLLM server on a demo GPU of tens of MiB: 256 KiB pages (1 MiB
-#: per page over the tiny model's 4 layers), lease growth in steps of 2 MiB and no pages
-#: kept ready (the runtime's defaults suit an 80 GiB GPU). A pool at its lease that wants
-#: a ready page asks the broker for more while it is short of nothing, and the broker
-#: takes that from a busy model.
+#: per page over the tiny model's 4 layers) and lease growth in steps of 4 MiB (the
+#: runtime's defaults, 2 MiB pages and 256 MiB steps, suit an 80 GiB GPU). The reserve of
+#: ready pages stays: without one, every block past the mapped pages waits for a page to
+#: be mapped, and clients give up where a fixed share serves them.
 VLLM_POOL_ENV = {
     "KVSHARE_PAGE_SIZE": str(256 * 2**10),
-    "KVSHARE_LEASE_CHUNK": str(2 * 2**20),
-    "KVSHARE_RESERVE_PAGES": "0",
+    "KVSHARE_LEASE_CHUNK": str(4 * 2**20),
 }
 #: A real server's guaranteed KV memory, in equal shares: a quiet model whose few requests
 #: must wait for the broker to reclaim memory from a busy one makes vLLM's engine spin on

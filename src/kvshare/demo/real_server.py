@@ -44,7 +44,7 @@ from pathlib import Path
 
 from kvshare.api import env
 from kvshare.demo import trace as trace_mod
-from kvshare.demo.server import Channel, open_channel, wait_for_start
+from kvshare.demo.server import Channel, run_server, wait_for_start
 from kvshare.demo.serving.client import MetricSample, scrape, stream_complete, total
 from kvshare.demo.serving.environment import find_serving
 from kvshare.demo.serving.tiny_model import VOCAB
@@ -337,21 +337,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-dir", default=".", help="where vLLM's log goes")
     parser.add_argument("--startup-timeout", type=float, default=300.0)
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=logging.WARNING,
-        format=f"%(asctime)s %(levelname)s {args.mode}-{args.model} %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
     # The orchestrator's SIGTERM must still stop the vLLM server (``serve``'s finally).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
-    channel = open_channel()
-    try:
-        serve(args, channel)
-    except Exception as exc:
-        log.exception("model server failed")
-        channel.send(json.dumps({"kind": "error", "message": f"{type(exc).__name__}: {exc}"}))
-        return 1
-    return 0
+    return run_server(args, serve)
 
 
 if __name__ == "__main__":

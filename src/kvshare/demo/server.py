@@ -33,7 +33,7 @@ import selectors
 import sys
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
@@ -368,7 +368,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--speed", type=float, default=1.0, help="trace seconds per wall-clock second"
     )
-    args = parser.parse_args(argv)
+    return run_server(parser.parse_args(argv), serve)
+
+
+def run_server(
+    args: argparse.Namespace, serve: Callable[[argparse.Namespace, Channel], None]
+) -> int:
+    """A demo server process's frame: logs to stderr, the channel on stdout, ``serve``, and
+    any failure reported to the orchestrator as an ``error`` message (exit status 1)."""
     logging.basicConfig(
         level=logging.WARNING,
         format=f"%(asctime)s %(levelname)s {args.mode}-{args.model} %(name)s: %(message)s",
