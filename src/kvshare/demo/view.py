@@ -20,12 +20,12 @@ _BAR = 16
 _TITLES: dict[Mode, str] = {"static": "static partitions", "elastic": "elastic (kvshare)"}
 
 
-def unit_of(gpu_bytes: int) -> tuple[int, str]:
+def unit_of(gpu_bytes: float) -> tuple[int, str]:
     """GiB for a GPU of a GiB or more, MiB below (the real engines' demo GPU)."""
     return (2**30, "GiB") if gpu_bytes >= 2**30 else (2**20, "MiB")
 
 
-def format_size(size: float, gpu_bytes: int) -> str:
+def format_size(size: float, gpu_bytes: float) -> str:
     """Bytes with two decimals, in the unit of a GPU of ``gpu_bytes``."""
     unit, name = unit_of(gpu_bytes)
     return f"{size / unit:.2f} {name}"
