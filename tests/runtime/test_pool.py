@@ -390,27 +390,3 @@ def test_a_blocks_address_is_where_its_tensor_view_keeps_it(make_pool: PoolFacto
     assert pool.block_address(2, block) == view[block].data_ptr()
     with pytest.raises(ValueError, match="outside the pool's 256 blocks"):
         pool.block_address(0, 256)
-
-
-def test_free_blocks_spread_over_pages_in_service_count_as_the_reserve(
-    make_pool: PoolFactory,
-) -> None:
-    # A burst drains: one request's block is left on each of six pages. Those pages'
-    # free blocks serve the next allocations as fast as ready pages would, so the pool
-    # neither maps ready pages on top nor asks for lease to hold them.
-    lease = MovableLease(6 * PAGE_BYTES, grant_up_to=16 * PAGE_BYTES)
-    pool = make_pool(GEOMETRY, lease=lease, reserve_pages=2)
-    ids = pool.alloc(6 * 16 - 1)
-    assert ids and pool.snapshot().held == 6 * PAGE_BYTES
-    pool.free([block for block in ids if block % 16 != 1])
-    pool.maintain()
-    snap = pool.snapshot()
-    assert (snap.held, snap.ready, snap.used) == (6 * PAGE_BYTES, 0, 6 * PAGE_BYTES)
-    assert lease.wants == []
-    assert pool.alloc(2 * 16) and pool.snapshot().held == 6 * PAGE_BYTES
-    # Once the pages in service fill up again, the reserve is kept as before.
-    assert pool.alloc(pool.snapshot().available_blocks)
-    pool.maintain()  # asks for the lease the reserve needs (granted at once here)
-    assert lease.wants
-    pool.maintain()
-    assert pool.snapshot().ready == 2 * PAGE_BYTES

@@ -53,10 +53,9 @@ Threads and locks
 - ``_maintain_lock`` serialises maintenance passes (the background thread and explicit
   :meth:`KVPool.maintain` calls). Order: ``_maintain_lock`` before ``_lock``.
 - The background thread ("kvshare-pool-reserve") keeps ``reserve_pages`` ready pages
-  created and mapped (less the pages' worth of free blocks that pages in service offer),
-  trims ready pages beyond that, shrinks towards a lowered lease, asks the lease source
-  for more in chunks, and reports usage after changes and on a timer.
-  It calls :meth:`Evictor.evict` (see there).
+  created and mapped, trims ready pages beyond that, shrinks towards a lowered lease,
+  asks the lease source for more in chunks, and reports usage after changes and on a
+  timer. It calls :meth:`Evictor.evict` (see there).
 - Page operations run outside ``_lock`` on pages marked busy, so no two operations ever
   touch one page at once.
 """
@@ -451,7 +450,7 @@ class KVPool:
             self._buckets[len(fl)][page] = None
             self._mask |= 1 << len(fl)
             self._free_partial += len(fl)
-        if len(self._ready) < self._ready_target():
+        if len(self._ready) < self._reserve_pages:
             self._wake.set()
         return take
 
@@ -521,7 +520,7 @@ class KVPool:
         self._mask = mask
         self._used_blocks -= len(ids)
         if wake and (
-            len(self._ready) > self._ready_target() or self._held_pages > self._limit_pages
+            len(self._ready) > self._reserve_pages or self._held_pages > self._limit_pages
         ):
             self._wake.set()
 
@@ -594,7 +593,7 @@ class KVPool:
                     wanted = (
                         self._held_pages
                         + -(-(n - free) // max(1, self._min_cap))
-                        + self._ready_target()
+                        + self._reserve_pages
                     )
             if not pages:
                 if over:
@@ -899,7 +898,7 @@ class KVPool:
             while self._evict_for_lease():
                 changed = self._rebalance() or changed  # unmap what the eviction emptied
             with self._lock:
-                desired = self._mapped_pages - len(self._ready) + self._ready_target()
+                desired = self._mapped_pages - len(self._ready) + self._reserve_pages
             if desired > self._limit_pages:
                 self._want(desired)
             report_due, self._report_due = self._report_due, False
@@ -913,11 +912,11 @@ class KVPool:
             over = self._held_pages - self._limit_pages - self._fenced_pages
             if over > 0:
                 # Down to the lease, and the reserve trimmed as well in the same pass.
-                excess = len(self._ready) - self._ready_target()
+                excess = len(self._ready) - self._reserve_pages
                 drop = self._pick_ready_to_drop(max(over, excess))
                 grow: list[int] = []
             else:
-                drop = self._pick_ready_to_drop(len(self._ready) - self._ready_target())
+                drop = self._pick_ready_to_drop(len(self._ready) - self._reserve_pages)
                 grow = self._pick_reserve_pages()
             drop = self._fence(drop)
         if drop:
@@ -926,17 +925,9 @@ class KVPool:
             self._grow_or_refuse(grow)
         return bool(drop or grow)
 
-    def _ready_target(self) -> int:
-        """How many ready pages the reserve keeps now: ``reserve_pages``, less the pages'
-        worth of free blocks that pages in service already offer (they serve the next
-        allocations as fast as a ready page, and best fit takes them first). A pool whose
-        requests are spread thinly over its pages, as when a burst drains, so neither maps
-        nor asks for pages it does not need. ``_lock`` held."""
-        return max(0, self._reserve_pages - self._free_partial // max(1, self._max_cap))
-
     def _pick_reserve_pages(self) -> list[int]:
         """Mark the unmapped pages that would refill the reserve busy. ``_lock`` held."""
-        deficit = self._ready_target() - len(self._ready) - self._growing
+        deficit = self._reserve_pages - len(self._ready) - self._growing
         count = min(deficit, self._limit_pages - self._held_pages, len(self._unmapped))
         if count <= 0:
             return []
