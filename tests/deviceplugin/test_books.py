@@ -174,7 +174,9 @@ def test_a_pool_that_leaves_returns_its_lease_to_waiters() -> None:
 def test_startup_turns_go_one_at_a_time_and_reserve_room() -> None:
     books = Books([GPU], headroom=GIB)
     first = books.turn_request(1, TurnRequest(seq=1, gpu=GPU.uuid, static=4 * GIB), 100, 0.0)
-    assert [s.message for s in first] == [TurnGranted(seq=1, hold_s=600.0)]
+    assert [s.message for s in first] == [
+        TurnGranted(seq=1, hold_s=600.0, gpu_total=GPU.total_bytes)
+    ]  # the GPU's memory, for a pool with no device to read it from
     second = books.turn_request(2, TurnRequest(seq=1, gpu=GPU.uuid, static=4 * GIB), 101, 0.0)
     assert second == []  # queued behind the first
     assert books.view(0.0).gpus[0].static == 4 * GIB
