@@ -1,7 +1,9 @@
 """What the broker's books record: pools, pending reclaims, start-up turns, per-GPU sums.
 
 Plain data, mutated only by :class:`~kvshare.deviceplugin.books.Books` and the helpers it
-delegates to (:mod:`~kvshare.deviceplugin.turns`, :mod:`~kvshare.deviceplugin.recovery`).
+delegates to (:mod:`~kvshare.deviceplugin.lending`, :mod:`~kvshare.deviceplugin.admission`,
+:mod:`~kvshare.deviceplugin.controls`, :mod:`~kvshare.deviceplugin.turns`,
+:mod:`~kvshare.deviceplugin.recovery`).
 The policy (:mod:`~kvshare.deviceplugin.policy`) never sees these: it gets frozen
 snapshots.
 """
@@ -110,7 +112,7 @@ class PendingReclaim:
 
 @dataclass(eq=False)
 class PoolRecord:
-    """One admitted pool. Mutated only by :class:`~kvshare.deviceplugin.books.Books`."""
+    """One admitted pool. Mutated only by the books (see the module doc)."""
 
     id: int
     name: str
