@@ -92,6 +92,19 @@ def test_a_quiet_pool_below_its_entitlement_keeps_headroom_above_what_it_uses() 
     assert asked[quiet].limit == pytest.approx(GIB + headroom, abs=2 * 2**20)
 
 
+def test_a_quiet_pools_prefix_cache_is_lent_on_to_a_busy_pool_above_its_entitlement() -> None:
+    # A quiet vLLM server's freed blocks stay as prefix cache until it needs room, so its
+    # whole lease reports as used; the pool evicts them as soon as its lease is lowered.
+    books = books_with(headroom_share=0.0)
+    quiet = admit(books, "quiet", 10, kv_min=0)
+    books.want(quiet, 1, 4 * GIB, 0.0)
+    books.report(quiet, Report(mapped=4 * GIB, used=4 * GIB, cached=7 * GIB // 2, reserved=0), 0.0)
+    hungry = admit(books, "hungry", 11, kv_min=0)
+    busy(books, hungry, 7 * GIB, 0.1)  # above its 5.5 GiB entitlement: only idle memory is lent
+    asked = reclaims(books.want(hungry, 2, 11 * GIB, 5.0))
+    assert asked[quiet].limit == GIB // 2  # what its running requests hold
+
+
 def test_every_policy_is_known_by_its_name() -> None:
     assert set(POLICIES) == {"fair-share", "entitlement"}
     assert policy_named("entitlement").name == "entitlement"

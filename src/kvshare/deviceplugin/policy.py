@@ -33,9 +33,11 @@ Every pool is *entitled* to a weighted equal share of the GPU (weight ``priority
 at least its floor): what it gets back whatever the others need. Memory is lent freely;
 what is taken back, and from whom, follows from what comes back fast and what does not:
 
-- *idle lease* (what a pool does not use, its ready pages included) comes back within a
-  round trip, so it is taken from any pool that is not short for any pool that is — except
-  what a pool asked for a moment ago (it may not have reported using it yet), and, below
+- *idle lease* (what a pool does not use, its ready pages and its prefix cache included:
+  a quiet vLLM server keeps every freed block as prefix cache until it needs room, and
+  the pool evicts them as soon as its lease is lowered) comes back within a round trip,
+  so it is taken from any pool that is not short for any pool that is — except what a
+  pool asked for a moment ago (it may not have reported using it yet), and, below
   its entitlement, headroom above what it uses (a tenth of its entitlement), so that a
   quiet model's next requests start at once rather than after a reclaim from a busy one;
 - *memory in use* comes back only as its requests finish, so it is taken only for a pool
@@ -130,6 +132,12 @@ class PoolState:
     """The target of its unacknowledged reclaim, if any."""
     reclaim_overdue: bool
     """Its reclaim missed the deadline (the books ask it for nothing more)."""
+
+    @property
+    def active(self) -> int:
+        """Memory in blocks that requests hold: what it uses less its prefix cache, which
+        the pool evicts as soon as its lease is lowered."""
+        return max(0, self.used - self.cached)
 
     @property
     def waiting(self) -> bool:
@@ -376,17 +384,17 @@ class Entitlement:
         # reclaim from a busy pool.
         idle = sorted(
             (p for p in gpu.pools if p.id in targets and p.id not in short_ids),
-            key=lambda p: (p.priority, -(p.lease - p.used), p.id),
+            key=lambda p: (p.priority, -(p.lease - p.active), p.id),
         )
         for pool in idle:
             if idle_need <= 0:
                 break
-            keep = max(pool.floor, pool.used)
+            keep = max(pool.floor, pool.active)
             if self.fresh(pool, gpu.now):
                 keep = max(keep, min(pool.lease, pool.want))
             if pool.lease <= entitled[pool.id]:
                 headroom = int(entitled[pool.id] * self.headroom_share)
-                keep = max(keep, min(entitled[pool.id], pool.used + headroom))
+                keep = max(keep, min(entitled[pool.id], pool.active + headroom))
             keep = _align_up(keep, pool.page)
             take = min(targets[pool.id] - keep, _align_up(idle_need, pool.page))
             if take > 0:
