@@ -201,12 +201,14 @@ def _held_free_pages(allocator: Any) -> int:
     return sum(len(ids) for ids in _free_lists(allocator))
 
 
-def _grants(allocator: Any, pool: KVPool) -> torch.Tensor:
-    import torch
+def _grants(allocator: Any) -> set[int]:
+    """The block ids the allocator holds from the pool (in use or on its free lists).
 
-    grants = getattr(allocator, _GRANTS_ATTRIBUTE, None)
+    A set, not a tensor indexed by id: it changes on every allocation and free, and a
+    tensor's index assignment from a list of ids costs more than the rest of the hook."""
+    grants: set[int] | None = getattr(allocator, _GRANTS_ATTRIBUTE, None)
     if grants is None:
-        grants = torch.zeros(pool.geometry.num_blocks, dtype=torch.bool)
+        grants = set()
         setattr(allocator, _GRANTS_ATTRIBUTE, grants)
     return grants
 
@@ -229,7 +231,7 @@ def _hand_back(allocator: Any, pool: KVPool, *, wait: bool = False) -> None:
     returning = _returning(allocator)
     while returning and (wait or returning[0].done()):
         ids = returning.pop(0).values()
-        _grants(allocator, pool)[ids] = False
+        _grants(allocator).difference_update(ids)
         pool.free(ids)
 
 
@@ -250,7 +252,7 @@ def _top_up(allocator: Any, pages: int) -> None:
         return  # exhausted: SGLang's own check finds too few pages and says no
     import torch
 
-    _grants(allocator, pool)[ids] = True
+    _grants(allocator).update(ids)
     granted = host_copies.to_device(ids, allocator.free_pages)
     allocator.free_pages = torch.cat((allocator.free_pages, granted))
 
@@ -284,14 +286,14 @@ def clearing_into_pool(original: AnyCallable) -> AnyCallable:
         if pool is None:
             return
         _returning(self).clear()  # still granted: freed with the rest below
-        grants = _grants(self, pool)
-        held = grants.nonzero().flatten()
-        grants.zero_()
+        grants = _grants(self)
+        held = sorted(grants)
+        grants.clear()
         self.free_pages = self.free_pages[:0]
         if getattr(self, "release_pages", None) is not None:
             self.release_pages = self.release_pages[:0]
-        if held.numel():
-            pool.free(held.tolist())
+        if held:
+            pool.free(held)
 
     return clear
 
