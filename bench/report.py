@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+from collections.abc import Sequence
 from pathlib import Path
 
 from harness import Result
@@ -9,8 +11,9 @@ from harness import Result
 _HEADER = """# Benchmarks
 
 Written by `make bench` (`python bench/run.py --all --write BENCHMARKS.md`); do not edit the
-tables by hand. Each benchmark measures its baseline in the same run as the thing compared
-with it. Reproduce one with the command under its table; `--json` prints the fields as JSON.
+tables by hand (`python bench/run.py NAME --write BENCHMARKS.md` re-runs one and replaces its
+table). Each benchmark measures its baseline in the same run as the thing compared with it.
+Reproduce one with the command under its table; `--json` prints the fields as JSON.
 """
 
 _GPU_MARKER = "<!-- gpu-check results below are kept across `make bench` runs -->"
@@ -39,9 +42,8 @@ def _table(result: Result, machine: str, date: str, command: str) -> str:
     return "\n".join(lines)
 
 
-def _coverage(results: list[Result], missing: list[str]) -> str:
-    line = "Run: " + ", ".join(f"`{r.name}`" for r in results) + "."
-    crashed = [r.name for r in results if r.crashed]
+def _coverage(names: Sequence[str], crashed: Sequence[str], missing: Sequence[str]) -> str:
+    line = "Run: " + ", ".join(f"`{name}`" for name in names) + "."
     if crashed:
         line += " Failed with an error (see its table): "
         line += ", ".join(f"`{name}`" for name in crashed) + "."
@@ -49,6 +51,13 @@ def _coverage(results: list[Result], missing: list[str]) -> str:
         line += " Not present in this checkout, so not run: "
         line += ", ".join(f"`{name}`" for name in missing) + "."
     return line + "\n"
+
+
+def _tables(text: str) -> dict[str, str]:
+    """The benchmark tables of a report, by benchmark name (the GPU section is not one)."""
+    body = text[: text.index(_GPU_MARKER)] if _GPU_MARKER in text else text
+    chunks = re.split(r"^(?=## )", body, flags=re.MULTILINE)[1:]
+    return {chunk.split("\n", 1)[0][3:].strip(): chunk.rstrip("\n") + "\n" for chunk in chunks}
 
 
 def write_report(
@@ -59,15 +68,22 @@ def write_report(
     date: str,
     command: str,
     missing: list[str] | None = None,
+    keep_others: bool = False,
+    order: Sequence[str] = (),
 ) -> None:
-    """Rewrite ``path``: which benchmarks ran, their tables, then any GPU-check section."""
-    kept = f"{_GPU_MARKER}\n\n{_NO_GPU_RUN}"
-    if path.exists():
-        text = path.read_text(encoding="utf-8")
-        if _GPU_MARKER in text:
-            kept = text[text.index(_GPU_MARKER) :]
-    body = "\n".join(_table(r, machine, date, command) for r in results)
-    head = _HEADER + "\n" + _coverage(results, missing or []) + "\n"
+    """Rewrite ``path``: which benchmarks ran, their tables, then any GPU-check section.
+
+    With ``keep_others`` the tables of benchmarks not in ``results`` stay as they were (a
+    benchmark re-run on its own replaces only its table); tables follow ``order``."""
+    text = path.read_text(encoding="utf-8") if path.exists() else ""
+    kept = text[text.index(_GPU_MARKER) :] if _GPU_MARKER in text else None
+    kept = kept or f"{_GPU_MARKER}\n\n{_NO_GPU_RUN}"
+    tables = _tables(text) if keep_others else {}
+    tables.update({r.name: _table(r, machine, date, command) for r in results})
+    ranked = sorted(tables, key=lambda name: order.index(name) if name in order else len(order))
+    crashed = [r.name for r in results if r.crashed]
+    head = _HEADER + "\n" + _coverage(ranked, crashed, missing or []) + "\n"
+    body = "\n".join(tables[name] for name in ranked)
     path.write_text(head + body + "\n" + kept, encoding="utf-8")
 
 

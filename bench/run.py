@@ -99,7 +99,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--all", action="store_true", help="run every benchmark")
     parser.add_argument("--quick", action="store_true", help="smaller sizes, same fields")
     parser.add_argument("--json", action="store_true", help="print a JSON object last")
-    parser.add_argument("--write", metavar="FILE", help="rewrite this report with the results")
+    parser.add_argument(
+        "--write",
+        metavar="FILE",
+        help="rewrite this report with the results (without --all, only the tables of the "
+        "benchmarks named)",
+    )
     args = parser.parse_args(argv)
     names = available() if args.all else args.names
     if not names:
@@ -121,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
             date=today(),
             command=command,
             missing=missing,
+            keep_others=not args.all,
+            order=BENCHMARKS,
         )
         print(f"\nwrote {args.write}")
     if args.json:

@@ -112,3 +112,27 @@ def test_a_report_without_a_gpu_run_says_so(tmp_path: Path) -> None:
     fine = harness.Result("placement", {"full_plan_s": 0.5})  # type: ignore[attr-defined]
     report.write_report(path, [fine], machine="m", date="d", command="c")  # type: ignore[attr-defined]
     assert "## GPU check\n\nNot run yet: `make gpu-check`" in path.read_text()
+
+
+def test_a_benchmark_re_run_on_its_own_replaces_only_its_table(tmp_path: Path) -> None:
+    report = _bench_module("report")
+    harness = _bench_module("harness")
+    path = tmp_path / "BENCHMARKS.md"
+    order = ("placement", "vmm", "broker")
+    first = [
+        harness.Result("placement", {"full_plan_s": 0.5}),  # type: ignore[attr-defined]
+        harness.Result("broker", {"grant_rtt_p50_us": 400.0}),  # type: ignore[attr-defined]
+    ]
+    report.write_gpu_section(path, "## GPU check\n\nmeasured on a GPU\n")  # type: ignore[attr-defined]
+    report.write_report(path, first, machine="m", date="d1", command="c --all", order=order)  # type: ignore[attr-defined]
+    again = harness.Result("broker", {"grant_rtt_p50_us": 104.0})  # type: ignore[attr-defined]
+    vmm = harness.Result("vmm", {"ratio": 1.3})  # type: ignore[attr-defined]
+    report.write_report(  # type: ignore[attr-defined]
+        path, [again, vmm], machine="m", date="d2", command="c --all", keep_others=True, order=order
+    )
+    text = path.read_text()
+    assert "Run: `placement`, `vmm`, `broker`." in text
+    assert text.index("## placement") < text.index("## vmm") < text.index("## broker")
+    assert "| `full_plan_s` | 0.5 | | |" in text and "Date: d1." in text
+    assert "| `grant_rtt_p50_us` | 104 | | |" in text and "400" not in text
+    assert text.count("## broker") == 1 and text.rstrip().endswith("measured on a GPU")
