@@ -18,7 +18,7 @@ from kvshare.deviceplugin.books import (
     Send,
 )
 from kvshare.deviceplugin.inventory import GpuInfo
-from kvshare.deviceplugin.policy import FairShare, GpuState, Policy, fair_shares
+from kvshare.deviceplugin.policy import FairShare, GpuState, Policy, PoolState, fair_shares
 
 GIB = 2**30
 PAGE = 2 * 2**20
@@ -389,7 +389,10 @@ class Reckless:
 
     name = "reckless"
 
-    def grants(self, gpu: GpuState, asking: int | None) -> list[tuple[int, int]]:
+    def ask(self, pool: PoolState) -> int:
+        return 2**62
+
+    def grants(self, gpu: GpuState) -> list[tuple[int, int]]:
         return [(p.id, 2 * gpu.budget + 1) for p in gpu.pools]
 
     def reclaims(self, gpu: GpuState) -> dict[int, int]:

@@ -230,9 +230,8 @@ class Books:
                 self._events.denied(pool.gpu, reason.split(":", 1)[0])
             return [Send("pool", pool_id, Lease(seq=seq, limit=pool.lease, reason=reason))]
         pool.waiting_since = pool.waiting_since or now
-        grown = self._lender.apply_grants(
-            gpu, self._lender.policy.grants(gpu.snapshot(now), pool_id)
-        )
+        asked_to = self._lender.policy.ask(gpu.pool_state(pool))
+        grown = self._lender.apply_grants(gpu, [(pool.id, asked_to)])
         granted = grown.pop(pool.id, 0)
         sends = self._lender.announce(gpu, grown)
         if pool.lease >= target:

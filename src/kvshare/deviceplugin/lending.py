@@ -127,7 +127,7 @@ class Lender:
             return []
         sends = self._turns.advance(gpu, now)
         if self.waiting(gpu):
-            grants = self._policy.grants(gpu.snapshot(now), None)
+            grants = self._policy.grants(gpu.snapshot(now))
             sends += self.announce(gpu, self.apply_grants(gpu, grants))
         return sends + self.rebalance(gpu, now) + self.withdraw_unneeded(gpu)
 

@@ -3,16 +3,19 @@
 The books (:mod:`kvshare.deviceplugin.books`) keep the accounts and the invariants: no
 grant ever takes more than the GPU's unleased memory, and reclaimed memory stays charged
 to its pool until the pool reports that it released it. Within those rules the books ask
-a :class:`Policy` two questions, each with a frozen snapshot of one GPU
-(:class:`GpuState`):
+a :class:`Policy` three questions:
 
-- :meth:`Policy.grants` — which pools to grow now, to what, in what order. Asked when a
-  pool asks for more (``asking`` is its id), and whenever memory came free or a report
-  moved while pools wait (``asking`` is None: serve whoever waits). The books apply each
-  grant in order, as far as unleased memory (less what a waiting start-up turn needs)
-  allows, and never beyond what the pool may hold (its kv max; its floor on a GPU that
-  is draining or unhealthy).
-- :meth:`Policy.reclaims` — which pools to ask for memory back, and down to what. Asked
+- :meth:`Policy.ask` — how far to grow a pool that asks for more, given that pool alone
+  (:class:`PoolState`): asked on every ask, the broker's hot path, so it never sees the
+  whole GPU. The books grant it as far as unleased memory (less what a waiting start-up
+  turn needs) allows; whatever is missing is then the business of the two questions below.
+- :meth:`Policy.grants` — with a frozen snapshot of one GPU (:class:`GpuState`), which
+  waiting pools to grow now, to what, in what order: asked whenever memory came free or a
+  report moved while pools wait. The books apply each grant in order, as far as unleased
+  memory allows, and never beyond what the pool may hold (its kv max; its floor on a GPU
+  that is draining or unhealthy).
+- :meth:`Policy.reclaims` — with the same snapshot, which pools to ask for memory back,
+  and down to what. Asked
   after every change that may leave a pool waiting. The books send each reclaim whose
   target is below the pool's lease (raised to the pool's floor and page-aligned), and
   skip pools that missed a reclaim's deadline. A reclaim to a pool that is still
@@ -172,8 +175,11 @@ class Policy(Protocol):
 
     name: str
 
-    def grants(self, gpu: GpuState, asking: int | None) -> list[tuple[int, int]]:
-        """``(pool id, lease target)`` pairs to grow, in order."""
+    def ask(self, pool: PoolState) -> int:
+        """The lease to grow ``pool`` to now that it asks for more."""
+
+    def grants(self, gpu: GpuState) -> list[tuple[int, int]]:
+        """``(pool id, lease target)`` pairs to grow among the waiting pools, in order."""
 
     def reclaims(self, gpu: GpuState) -> dict[int, int]:
         """Pool id -> the lease to reclaim it down to."""
@@ -235,10 +241,10 @@ class FairShare:
             entries.append((p.id, p.floor, demand, p.priority + 1))
         return fair_shares(capacity, entries)
 
-    def grants(self, gpu: GpuState, asking: int | None) -> list[tuple[int, int]]:
-        if asking is not None:
-            pool = next(p for p in gpu.pools if p.id == asking)
-            return [(pool.id, pool.cap)]
+    def ask(self, pool: PoolState) -> int:
+        return pool.cap
+
+    def grants(self, gpu: GpuState) -> list[tuple[int, int]]:
         waiters = gpu.waiters()
         if not waiters:
             return []
@@ -342,10 +348,10 @@ class Entitlement:
             for p in gpu.pools
         }
 
-    def grants(self, gpu: GpuState, asking: int | None) -> list[tuple[int, int]]:
-        if asking is not None:
-            pool = next(p for p in gpu.pools if p.id == asking)
-            return [(pool.id, pool.cap)]
+    def ask(self, pool: PoolState) -> int:
+        return pool.cap
+
+    def grants(self, gpu: GpuState) -> list[tuple[int, int]]:
         entitled = self.entitlements(gpu)
         waiters = sorted(
             (p for p in gpu.pools if self.short(p, gpu.now)),

@@ -305,29 +305,30 @@ class GpuRecord:
             return min(pool.want, pool.floor)
         return pool.want
 
+    def pool_state(self, p: PoolRecord) -> PoolState:
+        """One of its pools as the policy sees it."""
+        return PoolState(
+            id=p.id,
+            priority=p.priority,
+            page=p.page,
+            floor=p.floor,
+            kv_max=p.kv_max,
+            want=p.want,
+            cap=self.cap(p),
+            lease=p.lease,
+            charge=p.charge,
+            held=p.held,
+            used=p.usage.used,
+            cached=p.usage.cached,
+            waiting_since=p.waiting_since,
+            wanted_at=p.wanted_at,
+            reclaim_target=p.reclaim.target if p.reclaim else None,
+            reclaim_overdue=bool(p.reclaim and p.reclaim.overdue),
+        )
+
     def snapshot(self, now: float) -> GpuState:
         """The GPU as the policy sees it."""
-        pools = tuple(
-            PoolState(
-                id=p.id,
-                priority=p.priority,
-                page=p.page,
-                floor=p.floor,
-                kv_max=p.kv_max,
-                want=p.want,
-                cap=self.cap(p),
-                lease=p.lease,
-                charge=p.charge,
-                held=p.held,
-                used=p.usage.used,
-                cached=p.usage.cached,
-                waiting_since=p.waiting_since,
-                wanted_at=p.wanted_at,
-                reclaim_target=p.reclaim.target if p.reclaim else None,
-                reclaim_overdue=bool(p.reclaim and p.reclaim.overdue),
-            )
-            for p in self.pools.values()
-        )
+        pools = tuple(self.pool_state(p) for p in self.pools.values())
         return GpuState(
             now=now,
             budget=self.budget,
