@@ -47,6 +47,15 @@ class Result:
     def failed_targets(self) -> list[Target]:
         return [t for t in self.targets if not t.met_by(float(self.fields[t.field]))]
 
+    def verdict(self, key: str) -> tuple[str, bool] | None:
+        """The targets of field ``key`` in words (a range reads ``>= a and <= b``) and
+        whether the measured value meets every one; None when it has no target."""
+        targets = [t for t in self.targets if t.field == key]
+        if not targets:
+            return None
+        measured = float(self.fields[key])
+        return " and ".join(map(str, targets)), all(t.met_by(measured) for t in targets)
+
 
 def machine() -> str:
     """One line describing this machine, for the report."""

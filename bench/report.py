@@ -25,16 +25,15 @@ results here (`make gpu-check --dry-run` exercises it without a GPU).
 
 
 def _table(result: Result, machine: str, date: str, command: str) -> str:
-    targets = {t.field: t for t in result.targets}
     lines = [f"## {result.name}", "", "| field | measured | target | met |", "|---|---|---|---|"]
     for key, value in result.fields.items():
         shown = f"{value:.4g}" if isinstance(value, float) else str(value)
-        target = targets.get(key)
+        target = result.verdict(key)
         if target is None:
             lines.append(f"| `{key}` | {shown} | | |")
         else:
-            met = "yes" if target.met_by(float(value)) else "**no**"
-            lines.append(f"| `{key}` | {shown} | {target} | {met} |")
+            met = "yes" if target[1] else "**no**"
+            lines.append(f"| `{key}` | {shown} | {target[0]} | {met} |")
     lines += ["", f"Machine: {machine}. Date: {date}.", ""]
     lines += [f"Command: `{command.replace('--all', result.name)}`", ""]
     if result.notes:

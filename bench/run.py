@@ -79,14 +79,13 @@ def run_one(module: ModuleType, name: str, *, quick: bool) -> Result:
 
 
 def print_table(result: Result) -> None:
-    targets = {t.field: t for t in result.targets}
     print(f"\n{result.name}")
     width = max(len(k) for k in result.fields)
     for key, value in result.fields.items():
-        target = targets.get(key)
+        target = result.verdict(key)
         verdict = ""
         if target is not None:
-            verdict = f"  (target {target}: {'met' if target.met_by(float(value)) else 'MISSED'})"
+            verdict = f"  (target {target[0]}: {'met' if target[1] else 'MISSED'})"
         shown = f"{value:.4g}" if isinstance(value, float) else str(value)
         print(f"  {key:<{width}}  {shown}{verdict}")
     if result.notes:

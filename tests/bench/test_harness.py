@@ -136,3 +136,16 @@ def test_a_benchmark_re_run_on_its_own_replaces_only_its_table(tmp_path: Path) -
     assert "| `full_plan_s` | 0.5 | | |" in text and "Date: d1." in text
     assert "| `grant_rtt_p50_us` | 104 | | |" in text and "400" not in text
     assert text.count("## broker") == 1 and text.rstrip().endswith("measured on a GPU")
+
+
+def test_a_field_with_a_range_of_targets_meets_it_only_within_both_ends(tmp_path: Path) -> None:
+    report = _bench_module("report")
+    harness = _bench_module("harness")
+    path = tmp_path / "BENCHMARKS.md"
+    low, high = harness.Target("ratio", ">=", 0.95), harness.Target("ratio", "<=", 1.05)  # type: ignore[attr-defined]
+    below = harness.Result("elastic-vllm", {"ratio": 0.81}, [low, high])  # type: ignore[attr-defined]
+    report.write_report(path, [below], machine="m", date="d", command="c")  # type: ignore[attr-defined]
+    assert "| `ratio` | 0.81 | >= 0.95 and <= 1.05 | **no** |" in path.read_text()
+    within = harness.Result("elastic-vllm", {"ratio": 1.02}, [low, high])  # type: ignore[attr-defined]
+    report.write_report(path, [within], machine="m", date="d", command="c")  # type: ignore[attr-defined]
+    assert "| `ratio` | 1.02 | >= 0.95 and <= 1.05 | yes |" in path.read_text()
