@@ -130,6 +130,6 @@ def run(quick: bool) -> Result:
             f"(float32, --enforce-eager), {len(asks)} streamed requests of {PROMPT} + "
             f"{OUTPUT} tokens per round, KV cache {KV_BYTES // MIB} MiB both ways, worker on "
             f"core {CORES}, rounds alternating; medians of {rounds} rounds, ratio the median "
-            f"of the rounds' ratios. Logs: {LOGS}."
+            f"of the rounds' ratios. Logs: {LOGS.relative_to(LOGS.parents[2])}."
         ),
     )
