@@ -316,6 +316,27 @@ def test_a_lease_below_one_page_is_a_clear_start_up_error() -> None:
         KVPool(GEOMETRY, HostBackend(), StaticLease(PAGE_BYTES - 1), lease_timeout_s=0.1)
 
 
+def test_a_pool_waiting_for_the_page_of_its_null_block_says_its_ask_again() -> None:
+    """A broker lets an ask it has not heard for a while lapse (a pool still short says so
+    again): the first page a pool without a minimum waits for is asked for again every
+    retry, or a broker that could not grant it at once never would."""
+    lease = MovableLease(0)
+    started: list[KVPool] = []
+    starting = threading.Thread(
+        target=lambda: started.append(
+            KVPool(GEOMETRY, HostBackend(), lease, reserve_pages=0, lease_timeout_s=10)
+        ),
+        daemon=True,
+    )
+    starting.start()
+    wait_until(lambda: len(lease.wants) >= 3, what="the pool to say its ask again")
+    assert len(set(lease.wants)) == 1 and lease.wants[0] >= PAGE_BYTES  # the same ask
+    lease.set_limit(PAGE_BYTES)
+    starting.join(5)
+    assert started, "the pool did not start once its page was granted"
+    started[0].close()
+
+
 def test_threads_allocating_freeing_and_moving_the_lease_never_share_a_block(
     make_pool: PoolFactory,
 ) -> None:

@@ -363,8 +363,11 @@ class KVPool:
                         f"lease came within {timeout_s:g} s; grant the pool at least one page "
                         "(KVSHARE_KV_LIMIT or kvCache.min)"
                     )
-                self._lease_event.wait(left)
+                # Said again every retry, as every other unmet ask is: the broker lets an
+                # ask it has not heard for a while lapse.
+                self._lease_event.wait(min(left, _WANT_RETRY_S))
                 self._lease_event.clear()
+                self._want(1)
         with self._lock:
             heapq.heappop(self._unmapped)  # page 0: the lowest usable page holds block 0
             self._pstate[0] = _BUSY
