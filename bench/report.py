@@ -75,8 +75,11 @@ def write_report(
     With ``keep_others`` the tables of benchmarks not in ``results`` stay as they were (a
     benchmark re-run on its own replaces only its table); tables follow ``order``."""
     text = path.read_text(encoding="utf-8") if path.exists() else ""
-    kept = text[text.index(_GPU_MARKER) :] if _GPU_MARKER in text else None
-    kept = kept or f"{_GPU_MARKER}\n\n{_NO_GPU_RUN}"
+    kept = (
+        text[text.index(_GPU_MARKER) :]
+        if _GPU_MARKER in text
+        else f"{_GPU_MARKER}\n\n{_NO_GPU_RUN}"
+    )
     tables = _tables(text) if keep_others else {}
     tables.update({r.name: _table(r, machine, date, command) for r in results})
     ranked = sorted(tables, key=lambda name: order.index(name) if name in order else len(order))
