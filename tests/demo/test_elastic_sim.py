@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import json
+
+import pytest
+
 from kvshare.demo import trace
-from kvshare.demo.elastic_sim import SimOptions, simulate
+from kvshare.demo.elastic_sim import SimOptions, main, simulate
 from kvshare.demo.trace import TraceConfig
+from kvshare.deviceplugin.policy import DEFAULT_POLICY
 
 SMALL = TraceConfig(duration_s=24, models=3, gpu_memory_bytes=3 * 2**30, seed=2)
 
@@ -31,3 +36,21 @@ def test_with_every_model_guaranteed_its_equal_share_nobody_can_borrow() -> None
     static = sum(partitions.bound.partitioned)
     assert abs(sum(partitions.served) - static) <= 0.05 * static
     assert sum(simulate(made, SimOptions(kv_min_share=0.25)).served) > 1.05 * static
+
+
+def test_the_command_runs_more_seeds_than_the_suite_and_sums_them_up_per_policy(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["--family", "default", "--seeds", "3", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert [row["trace"] for row in out["rows"]] == ["default-0", "default-1", "default-2"]
+    gains = [row["gain_share"] for row in out["rows"]]
+    numbers = out["summary"][DEFAULT_POLICY]
+    assert numbers["traces"] == 3 and numbers["gain_min"] == min(gains)
+    assert numbers["gain_median"] == sorted(gains)[1]
+    assert numbers["below_0.9"] == sum(row["worst_ratio"] < 0.9 for row in out["rows"])
+
+
+def test_a_seed_count_below_one_is_refused() -> None:
+    with pytest.raises(SystemExit):
+        main(["--seeds", "0"])

@@ -32,6 +32,7 @@ import heapq
 import itertools
 import json
 import mmap
+import statistics
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -457,18 +458,45 @@ def simulate(
         node.close()
 
 
+def summarise(results: Sequence[tuple[str, SimResult]]) -> dict[str, dict[str, float]]:
+    """Per policy, over ``(policy, result)`` pairs: the mean, median and least gain share,
+    the least worst-model ratio, and how many traces left a model below 0.9 of its due."""
+    summary: dict[str, dict[str, float]] = {}
+    for name in dict.fromkeys(policy for policy, _ in results):
+        gains = [r.gain_share for policy, r in results if policy == name]
+        worst = [r.worst_model()[1] for policy, r in results if policy == name]
+        summary[name] = {
+            "traces": len(gains),
+            "gain_mean": round(statistics.fmean(gains), 3),
+            "gain_median": round(statistics.median(gains), 3),
+            "gain_min": round(min(gains), 3),
+            "worst_min": round(min(worst), 3),
+            "below_0.9": sum(w < 0.9 for w in worst),
+        }
+    return summary
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m kvshare.demo.elastic_sim``: the suite (or some of it) in simulated time."""
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("--policy", action="append", choices=sorted(POLICIES))
     parser.add_argument("--family", action="append", help="only these families")
+    parser.add_argument(
+        "--seeds",
+        type=int,
+        help="seeds 0..N-1 of every family instead of the suite's own (more traffic than "
+        "the real suite runs)",
+    )
     parser.add_argument("--kv-min-share", type=float, default=0.0)
     parser.add_argument("--latency", type=float, default=SimOptions.latency_s)
     parser.add_argument("--speed", type=float, default=SimOptions.speed)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
+    if args.seeds is not None and args.seeds < 1:
+        parser.error(f"--seeds must be >= 1, not {args.seeds}")
     rows = []
-    for made in suite_mod.suite():
+    results: list[tuple[str, SimResult]] = []
+    for made in suite_mod.suite(seeds=args.seeds):
         if args.family and made.family not in args.family:
             continue
         bound = sharing_bound(made.trace)
@@ -480,6 +508,7 @@ def main(argv: list[str] | None = None) -> int:
                 speed=args.speed,
             )
             result = simulate(made.trace, options, bound)
+            results.append((name, result))
             model, worst = result.worst_model()
             rows.append(
                 {
@@ -501,8 +530,16 @@ def main(argv: list[str] | None = None) -> int:
                 f"worst model-{model} {worst:.2f} p99 {row['p99_wait_s']:.2f} s",
                 flush=True,
             )
+    summary = summarise(results)
+    for name, numbers in summary.items():
+        print(
+            f"{name}: {numbers['traces']:.0f} traces, gain share mean {numbers['gain_mean']:.2f} "
+            f"median {numbers['gain_median']:.2f} min {numbers['gain_min']:.2f}; worst model "
+            f"{numbers['worst_min']:.2f}, {numbers['below_0.9']:.0f} traces with a model below 0.9",
+            flush=True,
+        )
     if args.json:
-        print(json.dumps(rows))
+        print(json.dumps({"rows": rows, "summary": summary}))
     return 0
 
 

@@ -289,7 +289,15 @@ def make(family: str, seed: int, base: TraceConfig | None = None) -> Trace:
     )
 
 
-def suite(base: TraceConfig | None = None) -> list[SuiteTrace]:
-    """Every trace of the suite (``base``: the serving setup, default :data:`SETUP`)."""
+def suite(base: TraceConfig | None = None, seeds: int | None = None) -> list[SuiteTrace]:
+    """Every trace of the suite (``base``: the serving setup, default :data:`SETUP`).
+
+    ``seeds``: seeds ``0 .. seeds - 1`` of every family instead of the suite's own, for
+    measuring a policy on more traffic than the suite runs with real processes.
+    """
     setup = base or SETUP
-    return [SuiteTrace(f.name, seed, f.make(seed, setup)) for f in FAMILIES for seed in f.seeds]
+    return [
+        SuiteTrace(f.name, seed, f.make(seed, setup))
+        for f in FAMILIES
+        for seed in (f.seeds if seeds is None else range(seeds))
+    ]

@@ -8,7 +8,7 @@ them in simulated time. Either way the pool asks and reports by the same rules:
 - growth is asked in chunks (a multiple of the page size), so the allocation path rarely
   waits for a round trip;
 - a pool still short of what it asked says so again when it asks again after
-  ``REFRESH_S`` (the pool's own retries are a second apart): the broker can tell an ask
+  ``REFRESH_S`` (the pool's own retries are half a second apart): the broker can tell an ask
   that still stands from one the pool no longer needs;
 - a pool that keeps running out asks for geometrically more (slow start): when it wants
   more than it asked for while still waiting for that, or within ``slow_start_window_s``
@@ -39,7 +39,7 @@ __all__ = ["LeaseConversation"]
 #: How long the lease thread may sleep when nothing is due.
 IDLE_S = 0.5
 #: The least time between two asks for the same amount.
-REFRESH_S = 0.5
+REFRESH_S = 0.25
 
 
 @dataclass

@@ -106,7 +106,10 @@ DEFAULT_RESERVE_PAGES = 4
 _ALLOC_ROUNDS = 4  # of the slow path, when other threads take the pages it waited for
 _IN_FLIGHT_WAIT_S = 1.0  # longest wait for pages in flight before trying again
 DEFAULT_LEASE_CHUNK_BYTES = 256 * 2**20
-_WANT_RETRY_S = 1.0
+#: How often an unmet ask is said again: well within the broker's ``fresh_s`` (1 s), so a
+#: pool still short never lapses, and short enough that an ask the pool no longer needs
+#: stops holding memory within about a second.
+_WANT_RETRY_S = 0.5
 _SHRINK_POLL_S = 0.5
 
 
