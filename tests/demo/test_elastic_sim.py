@@ -41,7 +41,7 @@ def test_with_every_model_guaranteed_its_equal_share_nobody_can_borrow() -> None
 def test_the_command_runs_more_seeds_than_the_suite_and_sums_them_up_per_policy(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    assert main(["--family", "default", "--seeds", "3", "--json"]) == 0
+    assert main(["--family", "default", "--seeds", "3", "--diagnose", "--json"]) == 0
     out = json.loads(capsys.readouterr().out.splitlines()[-1])
     assert [row["trace"] for row in out["rows"]] == ["default-0", "default-1", "default-2"]
     gains = [row["gain_share"] for row in out["rows"]]
@@ -49,6 +49,8 @@ def test_the_command_runs_more_seeds_than_the_suite_and_sums_them_up_per_policy(
     assert numbers["traces"] == 3 and numbers["gain_min"] == min(gains)
     assert numbers["gain_median"] == sorted(gains)[1]
     assert numbers["below_0.9"] == sum(row["worst_ratio"] < 0.9 for row in out["rows"])
+    for row in out["rows"]:
+        assert 0 < row["diagnosis"]["starved_share"] <= 1
 
 
 def test_a_seed_count_below_one_is_refused() -> None:

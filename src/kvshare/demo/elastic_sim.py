@@ -36,7 +36,7 @@ import statistics
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from kvshare.api.wire import PROTOCOL_VERSION, Hello, Lease, Message, Reclaim, Report, Want
 from kvshare.demo import suite as suite_mod
@@ -44,6 +44,7 @@ from kvshare.demo import trace as trace_mod
 from kvshare.demo.bound import Bound, sharing_bound
 from kvshare.demo.engine_sim import EngineSim
 from kvshare.demo.server import demo_geometry, lease_chunk_bytes
+from kvshare.demo.sim_diagnosis import Diagnosis
 from kvshare.demo.stats import percentile
 from kvshare.deviceplugin.books import Books, Send
 from kvshare.deviceplugin.inventory import GpuInfo
@@ -57,7 +58,7 @@ from kvshare.runtime.pool import KVPool
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["SimOptions", "SimResult", "simulate"]
+__all__ = ["SimOptions", "SimResult", "Watch", "simulate", "summarise"]
 
 GPU_UUID = "GPU-kvshare-sim"
 #: The demo server's pool settings (see :mod:`kvshare.demo.server`).
@@ -425,11 +426,17 @@ class _Node:
         self.pools[model].maintain()
         self.clock.after_wall(POOL_REPORT_INTERVAL_S, lambda: self._timer(model))
 
-    def run(self, duration_s: float) -> None:
+    def run(self, duration_s: float, watch: Watch | None = None) -> None:
         for model in range(len(self.engines)):
             self._schedule_engine(model)
             self.clock.after_wall(POOL_REPORT_INTERVAL_S, functools.partial(self._timer, model))
+        if watch is not None:
+            self._watch(watch)
         self.clock.run_until(duration_s)
+
+    def _watch(self, watch: Watch) -> None:
+        watch(self.pools, self.engines)
+        self.clock.at(self.clock.now + watch.interval_s, lambda: self._watch(watch))
 
     def close(self) -> None:
         for engine, pool in zip(self.engines, self.pools, strict=True):
@@ -437,14 +444,28 @@ class _Node:
             pool.close()
 
 
+class Watch(Protocol):
+    """Looks at the simulated node every ``interval_s`` trace seconds, between events."""
+
+    interval_s: float
+
+    def __call__(self, pools: Sequence[KVPool], engines: Sequence[EngineSim]) -> None:
+        """Sample the pools and their engines (model ``i`` is ``pools[i]``, ``engines[i]``)."""
+
+
 def simulate(
-    trace: trace_mod.Trace, options: SimOptions | None = None, bound: Bound | None = None
+    trace: trace_mod.Trace,
+    options: SimOptions | None = None,
+    bound: Bound | None = None,
+    *,
+    watch: Watch | None = None,
 ) -> SimResult:
-    """Run the elastic world of ``trace`` in simulated time (see the module doc)."""
+    """Run the elastic world of ``trace`` in simulated time (see the module doc);
+    ``watch``, if given, samples it as it runs."""
     opts = options or SimOptions()
     node = _Node(trace, opts)
     try:
-        node.run(trace.config.duration_s)
+        node.run(trace.config.duration_s, watch)
         engines = node.engines
         waits = [w for e in engines for w in e.waits()[0]]
         node.books.check()
@@ -490,6 +511,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-min-share", type=float, default=0.0)
     parser.add_argument("--latency", type=float, default=SimOptions.latency_s)
     parser.add_argument("--speed", type=float, default=SimOptions.speed)
+    parser.add_argument(
+        "--diagnose",
+        action="store_true",
+        help="also say where the memory was while a model was starved (sim_diagnosis)",
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     if args.seeds is not None and args.seeds < 1:
@@ -507,7 +533,13 @@ def main(argv: list[str] | None = None) -> int:
                 latency_s=args.latency,
                 speed=args.speed,
             )
-            result = simulate(made.trace, options, bound)
+            config = made.trace.config
+            diagnosis = (
+                Diagnosis(config.gpu_memory_bytes // config.block_bytes())
+                if args.diagnose
+                else None
+            )
+            result = simulate(made.trace, options, bound, watch=diagnosis)
             results.append((name, result))
             model, worst = result.worst_model()
             rows.append(
@@ -530,6 +562,15 @@ def main(argv: list[str] | None = None) -> int:
                 f"worst model-{model} {worst:.2f} p99 {row['p99_wait_s']:.2f} s",
                 flush=True,
             )
+            if diagnosis is not None:
+                row["diagnosis"] = diagnosis.summary()
+                print(
+                    f"{'':<16} {'':<12} starved {diagnosis.starved_share:.0%} of the time; "
+                    f"meanwhile idle elsewhere {diagnosis.idle_elsewhere:.1%} of the GPU "
+                    f"(stranded {diagnosis.stranded:.1%}), idle in the starved pools "
+                    f"{diagnosis.idle_starved:.1%}",
+                    flush=True,
+                )
     summary = summarise(results)
     for name, numbers in summary.items():
         print(

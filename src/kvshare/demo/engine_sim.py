@@ -318,6 +318,15 @@ class EngineSim:
             cached_blocks=self.prefix_cache.cached_blocks(),
         )
 
+    def blocks_to_admit_next(self) -> int | None:
+        """Blocks the request at the head of the queue needs to be admitted (its prompt, what
+        it generated before a preemption, and its next token), or None when nobody waits."""
+        if not self._waiting:
+            return None
+        request = self._waiting[0]
+        done = self._progress.get(request.rid, 0)
+        return self._blocks_for(request.prompt_tokens + done + 1)
+
     def used_blocks(self) -> int:
         """Blocks referenced by running requests (own blocks plus the shared prefix)."""
         return sum(len(r.blocks) for r in self._running) + self.prefix_cache.in_use_blocks()
