@@ -39,6 +39,7 @@ BENCHMARKS = (
     "operator",
     "elastic",
     "elastic-suite",
+    "elastic-sim",
     "fuzz",
     "vllm-overhead",
     "elastic-vllm",
