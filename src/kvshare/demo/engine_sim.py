@@ -321,11 +321,14 @@ class EngineSim:
     def blocks_to_admit_next(self) -> int | None:
         """Blocks the request at the head of the queue needs to be admitted (its prompt, what
         it generated before a preemption, and its next token), or None when nobody waits."""
-        if not self._waiting:
-            return None
-        request = self._waiting[0]
+        return self._admission(self._waiting[0])[1] if self._waiting else None
+
+    def _admission(self, request: Request) -> tuple[int, int]:
+        """What admitting ``request`` takes: the tokens it generated before a preemption
+        (it recomputes them with its prompt), and the blocks for those, its prompt and its
+        next token."""
         done = self._progress.get(request.rid, 0)
-        return self._blocks_for(request.prompt_tokens + done + 1)
+        return done, self._blocks_for(request.prompt_tokens + done + 1)
 
     def used_blocks(self) -> int:
         """Blocks referenced by running requests (own blocks plus the shared prefix)."""
@@ -409,9 +412,7 @@ class EngineSim:
         computed = 0
         while self._waiting and len(self._running) < self._max_running:
             request = self._waiting[0]
-            # A preempted request recomputes its prompt and what it generated so far.
-            done = self._progress.get(request.rid, 0)
-            needed = self._blocks_for(request.prompt_tokens + done + 1)
+            done, needed = self._admission(request)
             full_prefix = request.prefix_tokens // self._block_tokens
             cached = self.prefix_cache.acquire() if request.prefix_tokens else 0
             cached = min(cached, full_prefix)
