@@ -15,11 +15,10 @@ a :class:`Policy` three questions:
   memory allows, and never beyond what the pool may hold (its kv max; its floor on a GPU
   that is draining or unhealthy).
 - :meth:`Policy.reclaims` — with the same snapshot, which pools to ask for memory back,
-  and down to what. Asked
-  after every change that may leave a pool waiting. The books send each reclaim whose
-  target is below the pool's lease (raised to the pool's floor and page-aligned), and
-  skip pools that missed a reclaim's deadline. A reclaim to a pool that is still
-  releasing an earlier one lowers its target.
+  and down to what: asked after every change that may leave a pool waiting. The books
+  send each reclaim whose target is below the pool's lease (raised to the pool's floor
+  and page-aligned), and skip pools that missed a reclaim's deadline. A reclaim to a
+  pool that is still releasing an earlier one lowers its target.
 
 A policy holds no books of its own and mutates nothing it is given; it may keep its own
 estimates (of demand, say) keyed by pool id.
