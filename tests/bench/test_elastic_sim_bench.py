@@ -34,4 +34,3 @@ def test_the_quick_run_gives_each_family_the_figures_the_simulation_gives() -> N
         assert 0 <= fields[f"below_0.9.{label}"] <= fields["traces"]
     family_means = [fields[f"gain_mean.{f.name}.entitlement"] for f in suite.FAMILIES]
     assert fields["gain_min.entitlement"] == min(family_means)  # one trace per family
-    assert fields["targets_met"] is False  # gain >= 0.8 on every trace is not reached
