@@ -10,8 +10,8 @@ that reads the finished request's KV block, held until the test lets it run.
 
 from __future__ import annotations
 
-import itertools
 import threading
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,7 +40,6 @@ from tests.polling import wait_until
 
 STOP = 7  # the finished request's stop token
 PATTERN = 42  # what its prefill "wrote" into its KV blocks
-_instances = itertools.count()
 
 
 @dataclass(repr=False)  # printing the views would read pages that are not mapped
@@ -74,7 +73,10 @@ def engine(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Engine]:
         device_config=DeviceConfig(device="cpu"),
         cache_config=CacheConfig(block_size=BLOCK_TOKENS, enable_prefix_caching=True),
     )
-    config.instance_id = f"fence{next(_instances)}"
+    # Unique across processes: the group names the rank's socket in the abstract namespace,
+    # which the engine suites of every vLLM line, run at once, share (vLLM's own instance
+    # ids are random for the same reason).
+    config.instance_id = f"fence-{uuid.uuid4().hex[:16]}"
     config.cache_config.kv_cache_layout = "LBHNC"  # as kv_cache_config lays it out
     config.scheduler_config.async_scheduling = True
     config.cache_config.num_gpu_blocks = kv_config.num_blocks  # as EngineCore sets it
