@@ -6,7 +6,6 @@ import argparse
 import logging
 import signal
 import socket
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +21,7 @@ from kvshare.deviceplugin.node_config import (
     select,
 )
 from kvshare.deviceplugin.policy import DEFAULT_POLICY, POLICIES
+from kvshare.deviceplugin.stop_signals import StopSignals
 
 log = logging.getLogger(__name__)
 
@@ -200,16 +200,13 @@ def run(args: argparse.Namespace) -> int:
         recovery_s=args.recovery,
         audit_interval_s=args.audit_interval,
     )
-    stop = threading.Event()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: stop.set())
+    signals = StopSignals()
     agent = NodeAgent(config)
     try:
         agent.start()
     except (InventoryError, BrokerError, OSError, ValueError) as exc:
         log.error("kvshare node cannot start: %s", exc)
         return 1
-    stop.wait()
-    log.info("stopping")
+    log.info("stopping on %s", signal.Signals(signals.wait()).name)
     agent.stop()
     return 0
