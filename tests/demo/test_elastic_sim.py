@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from kvshare.demo import trace
+from kvshare.demo import suite, trace
+from kvshare.demo.bound import sharing_bound
 from kvshare.demo.elastic_sim import SimOptions, main, simulate
 from kvshare.demo.trace import TraceConfig
 from kvshare.deviceplugin.policy import DEFAULT_POLICY
@@ -51,6 +52,18 @@ def test_the_command_runs_more_seeds_than_the_suite_and_sums_them_up_per_policy(
     assert numbers["below_0.9"] == sum(row["worst_ratio"] < 0.9 for row in out["rows"])
     for row in out["rows"]:
         assert 0 < row["diagnosis"]["starved_share"] <= 1
+
+
+def test_fixed_steps_run_the_suite_on_engines_whose_steps_cost_the_same_whatever_the_batch(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["--family", "default", "--seeds", "1", "--fixed-steps", "--json"]) == 0
+    row = json.loads(capsys.readouterr().out.splitlines()[-1])["rows"][0]
+    fixed = sharing_bound(suite.make("default", 0, suite.SETUP.with_fixed_steps()))
+    calibrated = sharing_bound(suite.make("default", 0))
+    assert (row["static"], row["shared"]) == (sum(fixed.partitioned), sum(fixed.shared))
+    # Without a cost per token a bigger batch is free, so the same memory serves more.
+    assert row["static"] > sum(calibrated.partitioned)
 
 
 def test_a_seed_count_below_one_is_refused() -> None:

@@ -509,6 +509,12 @@ def main(argv: list[str] | None = None) -> int:
         "the real suite runs)",
     )
     parser.add_argument("--kv-min-share", type=float, default=0.0)
+    parser.add_argument(
+        "--fixed-steps",
+        action="store_true",
+        help="engines whose every step takes its fixed time whatever its batch (the demo's "
+        "engine before it was calibrated), to compare with figures measured on them",
+    )
     parser.add_argument("--latency", type=float, default=SimOptions.latency_s)
     parser.add_argument("--speed", type=float, default=SimOptions.speed)
     parser.add_argument(
@@ -522,7 +528,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--seeds must be >= 1, not {args.seeds}")
     rows = []
     results: list[tuple[str, SimResult]] = []
-    for made in suite_mod.suite(seeds=args.seeds):
+    setup = suite_mod.SETUP.with_fixed_steps() if args.fixed_steps else suite_mod.SETUP
+    for made in suite_mod.suite(setup, seeds=args.seeds):
         if args.family and made.family not in args.family:
             continue
         bound = sharing_bound(made.trace)

@@ -270,6 +270,11 @@ class TraceConfig:
         """What a step of the simulated engines costs."""
         return StepCost(self.step_s, self.step_token_s, self.step_context_s, self.max_step_tokens)
 
+    def with_fixed_steps(self) -> TraceConfig:
+        """This setup on the engines before a step's cost grew with its batch: every step
+        takes ``step_s``, with no token cap (what version 3 files ran on)."""
+        return dataclasses.replace(self, step_token_s=0.0, step_context_s=0.0, max_step_tokens=None)
+
     def blocks_for(self, tokens: int) -> int:
         """KV blocks that hold ``tokens`` tokens."""
         return -(-tokens // self.block_tokens)
@@ -515,12 +520,12 @@ def _config_from(raw: Any, version: int) -> TraceConfig:
     if unknown:
         raise TraceError(f"unknown config fields: {', '.join(unknown)}")
     values = dict(raw)
-    if version == _FIXED_STEP_VERSION:
-        values.update(step_token_s=0.0, step_context_s=0.0, max_step_tokens=None)
     for mix in ("prompt", "output"):
         if mix in values:
             values[mix] = LengthMix(**values[mix])
     config = TraceConfig(**values)
+    if version == _FIXED_STEP_VERSION:
+        config = config.with_fixed_steps()
     config.check()
     return config
 
