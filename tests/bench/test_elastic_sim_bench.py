@@ -29,6 +29,14 @@ def test_the_quick_run_gives_each_family_the_figures_the_simulation_gives() -> N
     made = suite.make("default", 0)
     direct = simulate(made, SimOptions(policy="entitlement"), sharing_bound(made))
     assert fields["gain_mean.default.entitlement"] == round(direct.gain_share, 3)
+    static = sum(direct.bound.partitioned)
+    assert fields["default_ratio.entitlement"] == round(sum(direct.served) / static, 3)
+    assert fields["default_bound_ratio"] == round(direct.bound.ratio, 3)
+    fixed = suite.make("default", 0, suite.SETUP.with_fixed_steps())
+    on_fixed = simulate(fixed, SimOptions(policy="entitlement"), sharing_bound(fixed))
+    assert fields["default_ratio_fixed_steps.entitlement"] == round(
+        sum(on_fixed.served) / sum(on_fixed.bound.partitioned), 3
+    )
     for label in ("entitlement", "fair-share", "entitlement@min", "fair-share@min"):
         assert fields[f"gain_min.{label}"] <= fields[f"gain_median.{label}"]
         assert 0 <= fields[f"below_0.9.{label}"] <= fields["traces"]
