@@ -23,6 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from elastic_targets import default_ratio_target
 from harness import Result, Target
 from kvshare.demo.orchestrator import DemoOptions, run_demo
 
@@ -58,7 +59,7 @@ def run(quick: bool) -> Result:
             "inconsistencies": len(outcome.problems),
         },
         targets=[
-            Target("ratio", ">=", 1.5),
+            default_ratio_target("ratio"),
             Target("over_commitments", "<=", 0),
             Target("inconsistencies", "<=", 0),
         ],

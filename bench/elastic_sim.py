@@ -26,7 +26,8 @@ from __future__ import annotations
 import statistics
 from concurrent.futures import ProcessPoolExecutor
 
-from harness import Result, Target
+from elastic_targets import default_ratio_target, suite_targets
+from harness import Result
 from kvshare.demo import suite
 from kvshare.demo.bound import sharing_bound
 from kvshare.demo.elastic_sim import SimOptions, SimResult, simulate, summarise
@@ -89,17 +90,10 @@ def measure(seeds: int, families: tuple[str, ...]) -> Result:
     return Result(
         name="elastic-sim",
         fields=fields,
-        targets=[
-            target
-            for label in candidates
-            for target in (
-                Target(f"gain_min.{label}", ">=", 0.8),
-                Target(f"worst_min.{label}", ">=", 0.9),
-            )
-        ]
+        targets=[target for label in candidates for target in suite_targets(label)]
         + [
-            Target(f"default_ratio.{DEFAULT_POLICY}", ">=", 1.5),
-            Target(f"default_ratio_fixed_steps.{DEFAULT_POLICY}", ">=", 1.5),
+            default_ratio_target(f"default_ratio.{DEFAULT_POLICY}"),
+            default_ratio_target(f"default_ratio_fixed_steps.{DEFAULT_POLICY}"),
         ],
         notes=(
             f"{len(jobs)} traces: {_seeds_named(seeds)} of {', '.join(families)} "

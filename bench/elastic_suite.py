@@ -27,7 +27,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness import Result, Target
+from elastic_targets import default_ratio_target, suite_targets
+from harness import Result
 from kvshare.demo import suite, trace
 from kvshare.demo.orchestrator import DemoOptions, DemoOutcome, run_demo
 from kvshare.demo.stats import Comparison, percentile
@@ -157,11 +158,7 @@ def run(quick: bool) -> Result:
     return Result(
         name="elastic-suite",
         fields={**summary, **fields},
-        targets=[
-            Target(f"gain_min.{CANDIDATE}", ">=", 0.8),
-            Target(f"worst_min.{CANDIDATE}", ">=", 0.9),
-            Target(f"default_ratio.{CANDIDATE}", ">=", 1.5),
-        ],
+        targets=[*suite_targets(CANDIDATE), default_ratio_target(f"default_ratio.{CANDIDATE}")],
         notes=(
             f"{len(traces)} traces ({', '.join(t.name for t in traces)}), each in a static world "
             f"and one elastic world per policy ({', '.join(POLICIES)}) at once, kvCache.min 0; "
