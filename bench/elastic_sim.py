@@ -15,6 +15,11 @@ Per policy and minimum: the mean, median and least gain share
 the candidate policy's mean gain share. ``python -m kvshare.demo.elastic_sim --seeds 6``
 prints every trace.
 
+The same figures for ``instant-pages``: the models sharing the GPU first come, first
+served in whole pages of the demo's size, instantly and with no policy
+(:func:`kvshare.demo.bound.paged_sharing`). Its gain share is what pages alone leave of the
+shared bound, the reference for how much of the remaining gap a policy could close.
+
 The default trace's ratio (elastic / static served, least over its seeds) is given twice:
 on the calibrated engines, beside the ratio the shared bound itself reaches there
 (``default_bound_ratio``), and on engines whose every step takes its fixed time
@@ -30,7 +35,14 @@ from elastic_targets import default_ratio_target, suite_targets
 from harness import Result
 from kvshare.demo import suite
 from kvshare.demo.bound import sharing_bound
-from kvshare.demo.elastic_sim import SimOptions, SimResult, simulate, summarise
+from kvshare.demo.elastic_sim import (
+    PAGED_REFERENCE,
+    SimOptions,
+    SimResult,
+    paged_reference,
+    simulate,
+    summarise,
+)
 from kvshare.deviceplugin.policy import DEFAULT_POLICY, POLICIES
 
 SEEDS = 6
@@ -44,10 +56,11 @@ def _label(policy: str, kv_min_share: float) -> str:
 
 
 def _one_trace(family: str, seed: int) -> list[tuple[str, str, SimResult]]:
-    """Every policy and minimum on one trace: ``(family, label, result)``."""
+    """Every policy and minimum on one trace, and the instant page-sharing reference:
+    ``(family, label, result)``."""
     made = suite.make(family, seed)
     bound = sharing_bound(made)
-    return [
+    return [(family, PAGED_REFERENCE, paged_reference(made, bound))] + [
         (
             family,
             _label(policy, share),
@@ -101,9 +114,11 @@ def measure(seeds: int, families: tuple[str, ...]) -> Result:
             f"at kvCache.min 0 and at {KV_MIN_SHARE:g} of an equal share (@min), in simulated "
             "time: the real books, policy, pools and lease conversation on one clock, so the "
             "numbers do not depend on the machine. below_0.9: traces that left a model below "
-            "0.9 of min(static, shared bound). Every trace: python -m kvshare.demo.elastic_sim "
-            f"--policy entitlement --policy fair-share --seeds {seeds} [--kv-min-share "
-            f"{KV_MIN_SHARE:g}] [--fixed-steps]."
+            "0.9 of min(static, shared bound). instant-pages: first-come sharing in whole "
+            "pages of the demo's size, instantly, with no policy (what pages alone allow). "
+            "Every trace: python -m kvshare.demo.elastic_sim --policy entitlement --policy "
+            f"fair-share --seeds {seeds} --paged-bound [--kv-min-share {KV_MIN_SHARE:g}] "
+            "[--fixed-steps]."
         ),
     )
 

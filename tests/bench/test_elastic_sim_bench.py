@@ -9,9 +9,14 @@ from pathlib import Path
 
 from kvshare.demo import suite
 from kvshare.demo.bound import sharing_bound
-from kvshare.demo.elastic_sim import SimOptions, simulate
+from kvshare.demo.elastic_sim import PAGED_REFERENCE, SimOptions, paged_reference, simulate
+from kvshare.demo.trace import Trace
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def _seed_0(family: suite.Family) -> Trace:
+    return suite.make(family.name, 0)
 
 
 def test_the_quick_run_gives_each_family_the_figures_the_simulation_gives() -> None:
@@ -37,6 +42,8 @@ def test_the_quick_run_gives_each_family_the_figures_the_simulation_gives() -> N
     assert fields["default_ratio_fixed_steps.entitlement"] == round(
         sum(on_fixed.served) / sum(on_fixed.bound.partitioned), 3
     )
+    paged = [paged_reference(m, sharing_bound(m)) for m in map(_seed_0, suite.FAMILIES)]
+    assert fields[f"gain_min.{PAGED_REFERENCE}"] == round(min(r.gain_share for r in paged), 3)
     for label in ("entitlement", "fair-share", "entitlement@min", "fair-share@min"):
         assert fields[f"gain_min.{label}"] <= fields[f"gain_median.{label}"]
         assert 0 <= fields[f"below_0.9.{label}"] <= fields["traces"]

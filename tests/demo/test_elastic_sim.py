@@ -7,8 +7,14 @@ import json
 import pytest
 
 from kvshare.demo import suite, trace
-from kvshare.demo.bound import sharing_bound
-from kvshare.demo.elastic_sim import SimOptions, main, simulate
+from kvshare.demo.bound import paged_sharing, sharing_bound
+from kvshare.demo.elastic_sim import (
+    PAGED_REFERENCE,
+    SimOptions,
+    blocks_per_page,
+    main,
+    simulate,
+)
 from kvshare.demo.trace import TraceConfig
 from kvshare.deviceplugin.policy import DEFAULT_POLICY
 
@@ -69,3 +75,30 @@ def test_fixed_steps_run_the_suite_on_engines_whose_steps_cost_the_same_whatever
 def test_a_seed_count_below_one_is_refused() -> None:
     with pytest.raises(SystemExit):
         main(["--seeds", "0"])
+
+
+def test_the_paged_bound_reports_first_come_page_sharing_beside_the_policy(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["--family", "default", "--seeds", "1", "--paged-bound", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out.splitlines()[-1])
+    made = suite.make("default", 0)
+    bound = sharing_bound(made)
+    paged = paged_sharing(made, blocks_per_page(made.config))
+    static, shared = sum(bound.partitioned), sum(bound.shared)
+    reference = out["summary"][PAGED_REFERENCE]
+    assert reference["traces"] == 1
+    assert reference["gain_mean"] == round((sum(paged) - static) / (shared - static), 3)
+    assert sum(paged) < shared  # the demo's pages hold several blocks: they cost
+    assert out["summary"][DEFAULT_POLICY]["traces"] == 1
+
+
+def test_pools_can_run_with_pages_of_a_given_number_of_blocks() -> None:
+    made = trace.generate(SMALL)
+    assert blocks_per_page(SMALL) > 1
+    assert blocks_per_page(SMALL, 1) == 1
+    one_block = simulate(made, SimOptions(page_blocks=1))
+    assert one_block != simulate(made)
+    assert sum(one_block.served) > 0
+    with pytest.raises(SystemExit):
+        main(["--page-blocks", "0"])

@@ -77,3 +77,13 @@ def test_stamps_live_in_the_pools_memory_and_catch_a_block_overwritten() -> None
             blocks.free(second)
     finally:
         pool.close()
+
+
+def test_pages_can_hold_a_set_number_of_blocks_when_the_backend_allows_it() -> None:
+    config = TraceConfig(gpu_memory_bytes=4 * GIB)
+    assert demo_geometry(config, OS_PAGE, page_blocks=1).page_size == 32 * 2**10
+    assert demo_geometry(config, OS_PAGE, page_blocks=64).page_size == 2 * 2**20
+    with pytest.raises(DemoConfigError, match="granularity"):
+        demo_geometry(config, 64 * 2**10, page_blocks=1)
+    with pytest.raises(DemoConfigError, match="positive"):
+        demo_geometry(config, OS_PAGE, page_blocks=0)

@@ -18,19 +18,28 @@ No broker can move memory faster than the shared run does, so its count is what 
 sharing serves on this trace, and ``shared / partitioned`` is the ratio a reader should
 hold the measured one against. (It is a reference, not a proof of optimality: a scheduler
 that favoured short requests could serve more in both worlds.)
+
+:func:`paged_sharing` is the same first-come sharing at the granularity kvshare moves
+memory in: physical pages of several blocks. Each model allocates from the free blocks
+of the pages it holds first (the fullest page that fits, as the pool does), takes whole
+free pages from the GPU when those run out, and gives a page back the moment its last
+block is freed — still instant, with no leases, no broker and no fairness. What it
+serves against the shared run is what pages alone cost on the trace, before any policy:
+a model that keeps some blocks of a page in use keeps the whole page, and a busy model
+whose freed blocks land on pages it still holds takes them again at its next step.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from kvshare.demo.engine_sim import EngineSim
+from kvshare.demo.engine_sim import BlockAllocator, EngineSim
 from kvshare.demo.trace import Trace
 
-__all__ = ["Bound", "sharing_bound"]
+__all__ = ["Bound", "paged_sharing", "sharing_bound"]
 
 
 class _Blocks:
@@ -50,6 +59,84 @@ class _Blocks:
         self._free.extend(ids)
 
 
+class _PagePool:
+    """The GPU's blocks in pages of ``blocks_per_page``, shared first come, first served
+    page by page (see the module doc). Block ids are ``1..``; page ``p`` holds ids
+    ``p * blocks_per_page + 1 ..``."""
+
+    def __init__(self, pages: int, blocks_per_page: int, models: int) -> None:
+        self._per_page = blocks_per_page
+        self._free_pages = list(range(pages - 1, -1, -1))
+        self._in_use = [0] * pages
+        # Per model: page -> its free block ids (pages the model holds, some block free).
+        self._open: list[dict[int, list[int]]] = [{} for _ in range(models)]
+        self._free_in_open = [0] * models
+
+    def view(self, model: int) -> _PageView:
+        """The allocator one model's engine uses."""
+        return _PageView(self, model)
+
+    def alloc(self, model: int, n: int) -> list[int] | None:
+        """``n`` block ids for ``model``, or None (nothing taken) when its pages and the
+        GPU's free pages together hold fewer."""
+        short = n - self._free_in_open[model]
+        new_pages = -(-short // self._per_page) if short > 0 else 0
+        if new_pages > len(self._free_pages):
+            return None
+        opened = self._open[model]
+        for _ in range(new_pages):
+            page = self._free_pages.pop()
+            first = page * self._per_page + 1
+            opened[page] = list(range(first + self._per_page - 1, first - 1, -1))
+            self._free_in_open[model] += self._per_page
+        taken: list[int] = []
+        while len(taken) < n:
+            wanted = n - len(taken)
+            fitting = [p for p, ids in opened.items() if len(ids) >= wanted]
+            page = (
+                min(fitting, key=lambda p: (len(opened[p]), p))
+                if fitting
+                else min(opened, key=lambda p: (len(opened[p]), p))
+            )
+            ids = opened[page]
+            take = min(wanted, len(ids))
+            taken += ids[-take:]
+            del ids[-take:]
+            self._in_use[page] += take
+            if not ids:
+                del opened[page]
+        self._free_in_open[model] -= n
+        return taken
+
+    def free(self, model: int, ids: Iterable[int]) -> None:
+        """Give ``model``'s blocks back; a page whose last block this frees goes back to
+        the GPU."""
+        opened = self._open[model]
+        for block in ids:
+            page = (block - 1) // self._per_page
+            self._in_use[page] -= 1
+            if self._in_use[page] == 0:
+                self._free_in_open[model] -= len(opened.pop(page, ()))
+                self._free_pages.append(page)
+            else:
+                opened.setdefault(page, []).append(block)
+                self._free_in_open[model] += 1
+
+
+class _PageView:
+    """One model's side of a :class:`_PagePool` (the engine's ``BlockAllocator``)."""
+
+    def __init__(self, pool: _PagePool, model: int) -> None:
+        self._pool = pool
+        self._model = model
+
+    def alloc(self, n: int) -> list[int] | None:
+        return self._pool.alloc(self._model, n)
+
+    def free(self, ids: Iterable[int]) -> None:
+        self._pool.free(self._model, ids)
+
+
 @dataclass(frozen=True)
 class Bound:
     """Requests served within the trace's duration, per model, in both simulated worlds."""
@@ -64,7 +151,7 @@ class Bound:
         return sum(self.shared) / total if total else float("inf")
 
 
-def _serve(trace: Trace, allocators: list[_Blocks]) -> tuple[int, ...]:
+def _serve(trace: Trace, allocators: Sequence[BlockAllocator]) -> tuple[int, ...]:
     config = trace.config
     engines = [
         EngineSim(
@@ -105,3 +192,15 @@ def sharing_bound(trace: Trace) -> Bound:
         partitioned=_serve(trace, partitions),
         shared=_serve(trace, [pool] * config.models),
     )
+
+
+def paged_sharing(trace: Trace, blocks_per_page: int) -> tuple[int, ...]:
+    """Requests served per model when every model shares the GPU's blocks first come,
+    first served, but only in whole pages of ``blocks_per_page`` (see the module doc)."""
+    if blocks_per_page < 1:
+        raise ValueError(f"blocks_per_page must be >= 1, not {blocks_per_page}")
+    config = trace.config
+    # The same blocks as the shared run, rounded down to whole pages.
+    pages = (config.share_blocks() - 1) * config.models // blocks_per_page
+    pool = _PagePool(pages, blocks_per_page, config.models)
+    return _serve(trace, [pool.view(model) for model in range(config.models)])

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Protocol
 from kvshare.api.wire import PROTOCOL_VERSION, Hello, Lease, Message, Reclaim, Report, Want
 from kvshare.demo import suite as suite_mod
 from kvshare.demo import trace as trace_mod
-from kvshare.demo.bound import Bound, sharing_bound
+from kvshare.demo.bound import Bound, paged_sharing, sharing_bound
 from kvshare.demo.engine_sim import EngineSim
 from kvshare.demo.server import demo_geometry, lease_chunk_bytes
 from kvshare.demo.sim_diagnosis import Diagnosis
@@ -58,9 +58,20 @@ from kvshare.runtime.pool import KVPool
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["SimOptions", "SimResult", "Watch", "simulate", "summarise"]
+__all__ = [
+    "PAGED_REFERENCE",
+    "SimOptions",
+    "SimResult",
+    "Watch",
+    "blocks_per_page",
+    "paged_reference",
+    "simulate",
+    "summarise",
+]
 
 GPU_UUID = "GPU-kvshare-sim"
+#: The name :func:`summarise` gives the instant page-sharing reference.
+PAGED_REFERENCE = "instant-pages"
 #: The demo server's pool settings (see :mod:`kvshare.demo.server`).
 POOL_REPORT_INTERVAL_S = 0.5
 LEASE_REPORT_INTERVAL_S = 0.05
@@ -80,6 +91,8 @@ class SimOptions:
     speed: float = 4.0
     #: Seconds a pool has to honour a reclaim (the node agent's default).
     reclaim_deadline_s: float = 10.0
+    #: Blocks per physical page of every pool (None: the demo server's pages).
+    page_blocks: int | None = None
 
 
 @dataclass(frozen=True)
@@ -314,7 +327,7 @@ class _Node:
         self._tick_at: float | None = None
         self._starting = True
         granularity = mmap.PAGESIZE  # the host backend's, whose geometry the demo uses
-        geometry = demo_geometry(config, granularity)
+        geometry = demo_geometry(config, granularity, options.page_blocks)
         chunk = lease_chunk_bytes(config, geometry)
         share = config.gpu_memory_bytes // config.models
         kv_min = int(share * options.kv_min_share)
@@ -479,6 +492,23 @@ def simulate(
         node.close()
 
 
+def blocks_per_page(config: trace_mod.TraceConfig, page_blocks: int | None = None) -> int:
+    """Blocks one physical page of the simulated pools holds (``page_blocks``, or the demo
+    server's pages)."""
+    geometry = demo_geometry(config, mmap.PAGESIZE, page_blocks)
+    return geometry.page_size // geometry.block_bytes
+
+
+def paged_reference(
+    trace: trace_mod.Trace, bound: Bound, page_blocks: int | None = None
+) -> SimResult:
+    """What first-come sharing in whole pages serves on ``trace``, instantly and with no
+    policy (:func:`~kvshare.demo.bound.paged_sharing`), as a result beside the elastic
+    world's: its gain share is the part of the shared bound that pages alone allow."""
+    served = paged_sharing(trace, blocks_per_page(trace.config, page_blocks))
+    return SimResult(served=served, abandoned=(), p99_wait_s=float("nan"), bound=bound)
+
+
 def summarise(results: Sequence[tuple[str, SimResult]]) -> dict[str, dict[str, float]]:
     """Per policy, over ``(policy, result)`` pairs: the mean, median and least gain share,
     the least worst-model ratio, and how many traces left a model below 0.9 of its due."""
@@ -515,6 +545,18 @@ def main(argv: list[str] | None = None) -> int:
         help="engines whose every step takes its fixed time whatever its batch (the demo's "
         "engine before it was calibrated), to compare with figures measured on them",
     )
+    parser.add_argument(
+        "--page-blocks",
+        type=int,
+        help="blocks per physical page of every pool (default: the demo server's pages; 1 is "
+        "a block-outer KV layout whose page holds one block of every layer)",
+    )
+    parser.add_argument(
+        "--paged-bound",
+        action="store_true",
+        help=f"also run first-come sharing in whole pages, instantly and with no policy "
+        f"({PAGED_REFERENCE}): what pages alone allow of the shared bound",
+    )
     parser.add_argument("--latency", type=float, default=SimOptions.latency_s)
     parser.add_argument("--speed", type=float, default=SimOptions.speed)
     parser.add_argument(
@@ -526,6 +568,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.seeds is not None and args.seeds < 1:
         parser.error(f"--seeds must be >= 1, not {args.seeds}")
+    if args.page_blocks is not None and args.page_blocks < 1:
+        parser.error(f"--page-blocks must be >= 1, not {args.page_blocks}")
     rows = []
     results: list[tuple[str, SimResult]] = []
     setup = suite_mod.SETUP.with_fixed_steps() if args.fixed_steps else suite_mod.SETUP
@@ -533,12 +577,22 @@ def main(argv: list[str] | None = None) -> int:
         if args.family and made.family not in args.family:
             continue
         bound = sharing_bound(made.trace)
+        if args.paged_bound:
+            paged = paged_reference(made.trace, bound, args.page_blocks)
+            results.append((PAGED_REFERENCE, paged))
+            model, worst = paged.worst_model()
+            print(
+                f"{made.name:<16} {PAGED_REFERENCE:<13} served {sum(paged.served):>5} gain "
+                f"{paged.gain_share:>6.2f} worst model-{model} {worst:.2f}",
+                flush=True,
+            )
         for name in args.policy or [DEFAULT_POLICY]:
             options = SimOptions(
                 policy=name,
                 kv_min_share=args.kv_min_share,
                 latency_s=args.latency,
                 speed=args.speed,
+                page_blocks=args.page_blocks,
             )
             config = made.trace.config
             diagnosis = (
@@ -564,7 +618,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             row = rows[-1]
             print(
-                f"{row['trace']:<16} {name:<12} static {row['static']:>5} elastic "
+                f"{row['trace']:<16} {name:<13} static {row['static']:>5} elastic "
                 f"{row['elastic']:>5} shared {row['shared']:>5} gain {row['gain_share']:>6.2f} "
                 f"worst model-{model} {worst:.2f} p99 {row['p99_wait_s']:.2f} s",
                 flush=True,
@@ -572,7 +626,7 @@ def main(argv: list[str] | None = None) -> int:
             if diagnosis is not None:
                 row["diagnosis"] = diagnosis.summary()
                 print(
-                    f"{'':<16} {'':<12} starved {diagnosis.starved_share:.0%} of the time; "
+                    f"{'':<16} {'':<13} starved {diagnosis.starved_share:.0%} of the time; "
                     f"meanwhile idle elsewhere {diagnosis.idle_elsewhere:.1%} of the GPU "
                     f"(stranded {diagnosis.stranded:.1%}), idle in the starved pools "
                     f"{diagnosis.idle_starved:.1%}",

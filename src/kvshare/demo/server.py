@@ -72,8 +72,13 @@ class DemoConfigError(ValueError):
     """The trace's serving setup cannot be laid out as a KV pool."""
 
 
-def demo_geometry(config: trace_mod.TraceConfig, granularity: int) -> KVGeometry:
-    """The pool geometry of one simulated server: room for the whole GPU, per-layer."""
+def demo_geometry(
+    config: trace_mod.TraceConfig, granularity: int, page_blocks: int | None = None
+) -> KVGeometry:
+    """The pool geometry of one simulated server: room for the whole GPU, per-layer.
+
+    Pages are sized for :data:`MIN_PAGES_PER_GPU` unless ``page_blocks`` sets how many
+    blocks one holds (a multiple of ``granularity`` in bytes)."""
     from kvshare.runtime.geometry import KVGeometry
 
     buffers = 2 * DEMO_LAYERS
@@ -83,15 +88,23 @@ def demo_geometry(config: trace_mod.TraceConfig, granularity: int) -> KVGeometry
             f"kv_bytes_per_token * block_tokens = {config.block_bytes()} does not split into "
             f"{buffers} buffers of whole 8-byte words; use a multiple of {buffers * 8}"
         )
-    page = MAX_PAGE_SIZE
-    while (
-        page > block_bytes
-        and page > granularity
-        and (buffers * page * MIN_PAGES_PER_GPU > config.gpu_memory_bytes)
-    ):
-        page //= 2
-    page = max(page, granularity, block_bytes)
-    page = -(-page // granularity) * granularity
+    if page_blocks is not None:
+        page = page_blocks * block_bytes
+        if page_blocks < 1 or page % granularity:
+            raise DemoConfigError(
+                f"pages of {page_blocks} blocks of {block_bytes} bytes are not a positive "
+                f"multiple of the backend's granularity ({granularity} bytes)"
+            )
+    else:
+        page = MAX_PAGE_SIZE
+        while (
+            page > block_bytes
+            and page > granularity
+            and (buffers * page * MIN_PAGES_PER_GPU > config.gpu_memory_bytes)
+        ):
+            page //= 2
+        page = max(page, granularity, block_bytes)
+        page = -(-page // granularity) * granularity
     blocks_per_page = page // block_bytes
     pages = -(-(config.gpu_memory_bytes // (buffers * block_bytes) + 1) // blocks_per_page)
     return KVGeometry(
