@@ -10,8 +10,9 @@ run confirms what it finds.
 
 What runs for real: :class:`~kvshare.deviceplugin.books.Books` with the chosen policy,
 one :class:`~kvshare.runtime.pool.KVPool` per model with the demo server's geometry,
-reserve and lease chunk (over a backend that only bookkeeps its pages: the lowest layer,
-which the simulation never reads or writes), each pool's side of the lease conversation
+reserve and lease chunk (over :mod:`~kvshare.demo.bookkeeping_backend`, which only
+bookkeeps its pages: the lowest layer, which the simulation never reads or writes), each
+pool's side of the lease conversation
 (:class:`~kvshare.runtime.lease_conversation.LeaseConversation`, as in the broker
 client), and :class:`~kvshare.demo.engine_sim.EngineSim`. What stands in: the socket
 between a pool and the broker is a delay (``latency_s`` each way), the pools' background
@@ -36,11 +37,12 @@ import statistics
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from kvshare.api.wire import PROTOCOL_VERSION, Hello, Lease, Message, Reclaim, Report, Want
 from kvshare.demo import suite as suite_mod
 from kvshare.demo import trace as trace_mod
+from kvshare.demo.bookkeeping_backend import BookkeepingBackend
 from kvshare.demo.bound import Bound, paged_sharing, sharing_bound
 from kvshare.demo.engine_sim import EngineSim
 from kvshare.demo.server import demo_geometry, lease_chunk_bytes
@@ -49,14 +51,10 @@ from kvshare.demo.stats import percentile
 from kvshare.deviceplugin.books import Books, Send
 from kvshare.deviceplugin.inventory import GpuInfo
 from kvshare.deviceplugin.policy import DEFAULT_POLICY, POLICIES, policy_named
-from kvshare.runtime.backends.base import Backend, Reservations
 from kvshare.runtime.broker_client import DEFAULT_SLOW_START_WINDOW_S
 from kvshare.runtime.lease import LeaseHolder, LeaseSource, PoolUsage
 from kvshare.runtime.lease_conversation import IDLE_S, LeaseConversation
 from kvshare.runtime.pool import KVPool
-
-if TYPE_CHECKING:
-    import torch
 
 __all__ = [
     "PAGED_REFERENCE",
@@ -128,78 +126,6 @@ class SimResult:
         ]
         ratio, model = min(ratios)
         return model, ratio
-
-
-class _BookkeepingBackend(Backend):
-    """Virtual memory that is only bookkept: reservations, pages and mappings are checked
-    as the ``host`` backend checks them (alignment, bounds, double maps, releasing a
-    mapped page), but no memory is reserved, created or mapped. The pool's own logic runs
-    unchanged; committing and punching host memory, which the simulation never touches,
-    would cost most of its time."""
-
-    name = "bookkeeping"
-
-    def __init__(self, granularity: int) -> None:
-        self._book = Reservations(granularity)
-        self._next_address = 1 << 40
-        self._pages: dict[int, int] = {}
-        self._next_handle = itertools.count(1)
-
-    @property
-    def granularity(self) -> int:
-        return self._book.granularity
-
-    @property
-    def device(self) -> str:
-        return "cpu"
-
-    def reserve(self, size: int) -> int:
-        self._book.check_size(size, "reservation size")
-        address = self._next_address
-        self._next_address += size + self._book.granularity
-        self._book.ranges[address] = size
-        return address
-
-    def free_reservation(self, address: int) -> None:
-        self._book.check_unmapped_reservation(address)
-        del self._book.ranges[address]
-
-    def create(self, size: int) -> int:
-        self._book.check_size(size, "page size")
-        handle = next(self._next_handle)
-        self._pages[handle] = size
-        return handle
-
-    def release(self, handle: int) -> None:
-        self._book.check_releasable(handle, self._pages.get(handle))
-        del self._pages[handle]
-
-    def map(self, address: int, size: int, handle: int) -> None:
-        self._book.check(address, size)
-        self._book.check_not_mapped(address, handle)
-        self._book.add_mapping(address, size, handle)
-
-    def unmap(self, address: int, size: int) -> None:
-        self._book.check_mapping(address, size)
-        self._book.remove_mapping(address)
-
-    def tensor(self, address: int, size: int) -> torch.Tensor:
-        raise NotImplementedError("the simulation's pools hold no memory to view")
-
-    def free_memory(self) -> int:
-        return 1 << 50
-
-    def record_fence(self, streams: Sequence[int] = (0,)) -> None:
-        del streams  # no device work runs in the simulation: nothing to wait for
-
-    def wait_fence(self) -> None:
-        pass
-
-    def close(self) -> None:
-        self._book.mapped.clear()
-        self._book.mapped_handles.clear()
-        self._book.ranges.clear()
-        self._pages.clear()
 
 
 class _Clock:
@@ -347,7 +273,7 @@ class _Node:
             lease = _SimLease(self, model, hello, chunk)
             pool = KVPool(
                 geometry,
-                _BookkeepingBackend(granularity),
+                BookkeepingBackend(granularity),
                 lease,
                 background=False,
                 lease_chunk_bytes=chunk,
