@@ -92,12 +92,8 @@ class _PagePool:
         taken: list[int] = []
         while len(taken) < n:
             wanted = n - len(taken)
-            fitting = [p for p, ids in opened.items() if len(ids) >= wanted]
-            page = (
-                min(fitting, key=lambda p: (len(opened[p]), p))
-                if fitting
-                else min(opened, key=lambda p: (len(opened[p]), p))
-            )
+            # The fullest page that fits the rest, else the fullest page.
+            page = min(opened, key=lambda p: (len(opened[p]) < wanted, len(opened[p]), p))
             ids = opened[page]
             take = min(wanted, len(ids))
             taken += ids[-take:]

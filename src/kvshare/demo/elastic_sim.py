@@ -52,6 +52,7 @@ from kvshare.deviceplugin.books import Books, Send
 from kvshare.deviceplugin.inventory import GpuInfo
 from kvshare.deviceplugin.policy import DEFAULT_POLICY, POLICIES, policy_named
 from kvshare.runtime.broker_client import DEFAULT_SLOW_START_WINDOW_S
+from kvshare.runtime.geometry import KVGeometry
 from kvshare.runtime.lease import LeaseHolder, LeaseSource, PoolUsage
 from kvshare.runtime.lease_conversation import IDLE_S, LeaseConversation
 from kvshare.runtime.pool import KVPool
@@ -68,6 +69,8 @@ __all__ = [
 ]
 
 GPU_UUID = "GPU-kvshare-sim"
+#: The host backend's mapping granularity, whose geometry the demo's pools use.
+_GRANULARITY = mmap.PAGESIZE
 #: The name :func:`summarise` gives the instant page-sharing reference.
 PAGED_REFERENCE = "instant-pages"
 #: The demo server's pool settings (see :mod:`kvshare.demo.server`).
@@ -252,8 +255,7 @@ class _Node:
         self._maintaining: set[int] = set()
         self._tick_at: float | None = None
         self._starting = True
-        granularity = mmap.PAGESIZE  # the host backend's, whose geometry the demo uses
-        geometry = demo_geometry(config, granularity, options.page_blocks)
+        geometry = _pool_geometry(config, options.page_blocks)
         chunk = lease_chunk_bytes(config, geometry)
         share = config.gpu_memory_bytes // config.models
         kv_min = int(share * options.kv_min_share)
@@ -273,7 +275,7 @@ class _Node:
             lease = _SimLease(self, model, hello, chunk)
             pool = KVPool(
                 geometry,
-                BookkeepingBackend(granularity),
+                BookkeepingBackend(_GRANULARITY),
                 lease,
                 background=False,
                 lease_chunk_bytes=chunk,
@@ -418,10 +420,16 @@ def simulate(
         node.close()
 
 
+def _pool_geometry(config: trace_mod.TraceConfig, page_blocks: int | None) -> KVGeometry:
+    """Every simulated pool's geometry: the demo server's, over the host backend's
+    granularity, with pages of ``page_blocks`` blocks if given."""
+    return demo_geometry(config, _GRANULARITY, page_blocks)
+
+
 def blocks_per_page(config: trace_mod.TraceConfig, page_blocks: int | None = None) -> int:
     """Blocks one physical page of the simulated pools holds (``page_blocks``, or the demo
     server's pages)."""
-    geometry = demo_geometry(config, mmap.PAGESIZE, page_blocks)
+    geometry = _pool_geometry(config, page_blocks)
     return geometry.page_size // geometry.block_bytes
 
 
