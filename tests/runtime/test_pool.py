@@ -10,6 +10,7 @@ import time
 import pytest
 import torch
 
+from kvshare.runtime import pool as pool_module
 from kvshare.runtime.backends.host import HostBackend
 from kvshare.runtime.errors import InvalidBlockError, PoolClosedError, PoolError
 from kvshare.runtime.geometry import KVGeometry
@@ -280,6 +281,38 @@ def test_pages_the_reserve_is_creating_serve_an_allocation_instead_of_a_refusal(
         ids = result[0]
         assert isinstance(ids, list) and len(ids) == 35, ids
         assert pool.snapshot().held == 3 * PAGE_BYTES
+    finally:
+        pool.close()
+
+
+def test_pages_in_flight_for_longer_than_every_wait_still_serve_the_allocation(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The engine counted these blocks as free (``available``) before asking; vLLM has no
+    way to fail a block it counted. Page creation is held back for many times the pool's
+    longest wait for pages in flight (scaled down here), as a peer rank busy with a long
+    step holds it back, and the allocation still gets the pages once they come."""
+    monkeypatch.setattr(pool_module, "_IN_FLIGHT_WAIT_S", 0.02)
+    backend = GatedHostBackend()
+    lease = StaticLease(3 * PAGE_BYTES)
+    pool = KVPool(GEOMETRY, backend, lease, reserve_pages=2, background=False)
+    try:
+        promised = pool.available()  # page 0's blocks and the two pages the lease allows
+        backend.gate.clear()
+        backend.entered.clear()
+        # Between counting and asking, the reserve starts creating those two pages.
+        reserve = threading.Thread(target=pool.maintain)
+        reserve.start()
+        assert backend.entered.wait(30)
+        result: list[object] = []
+        engine = threading.Thread(target=lambda: result.append(pool.alloc(promised)))
+        engine.start()
+        time.sleep(0.02 * pool_module._ALLOC_ROUNDS * 10)  # ten times every round's wait
+        backend.gate.set()
+        engine.join(30)
+        reserve.join(30)
+        ids = result[0]
+        assert isinstance(ids, list) and len(ids) == promised == 15 + 2 * 16, ids
     finally:
         pool.close()
 

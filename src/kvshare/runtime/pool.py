@@ -574,7 +574,8 @@ class KVPool:
 
     def _alloc_growing(self, n: int) -> list[int] | Exhausted:
         """The slow path: map new pages for this request (the reserve did not cover it)."""
-        for _ in range(_ALLOC_ROUNDS):  # others may take the new pages first: try again
+        rounds = 0
+        while rounds < _ALLOC_ROUNDS:  # others may take the new pages first: try again
             with self._lock:
                 if self._error is not None:
                     raise self._error
@@ -588,7 +589,10 @@ class KVPool:
                 if not pages and not over and (self._growing or self._dropping):
                     # Pages in flight within the lease (being created for the reserve or
                     # another allocation, or unmapped to trim the reserve, giving room
-                    # back) are a moment away: wait for them rather than say no.
+                    # back) are a moment away: wait for them rather than say no. However
+                    # long that takes (a slow device, a peer rank busy with its step), it
+                    # is no round: every flight ends, grown, dropped or failed, and the
+                    # engine counted these blocks as free (``available``) before asking.
                     self._settled.wait(_IN_FLIGHT_WAIT_S)
                     continue
                 if pages:
@@ -601,6 +605,7 @@ class KVPool:
                         + -(-(n - free) // max(1, self._min_cap))
                         + self._reserve_pages
                     )
+            rounds += 1
             if not pages:
                 if over:
                     return Exhausted(refusal, n, available)
