@@ -23,7 +23,7 @@ import torch
 
 from kvshare.runtime.engines import pools, vllm_blocks, vllm_common
 from kvshare.runtime.engines.activation import activate
-from kvshare.runtime.pool import KVPool
+from kvshare.runtime.pool import Exhausted, KVPool
 from kvshare.runtime.rank_server import RankServer
 from tests.engines.suite import eventually, standalone_host_pools
 from tests.engines.vllm.kv_setup import (
@@ -263,3 +263,14 @@ def test_a_reclaim_between_counting_and_allocating_waits_for_the_step_to_end(
     assert eventually(lambda: pool.snapshot().mapped <= len(LAYERS) * PAGE, pool.maintain), (
         "the pool did not shrink to page 0 after the step"
     )
+
+
+def test_blocks_the_pool_cannot_hand_out_after_all_fail_with_its_reason(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM takes the blocks it counted as free and cannot fail gracefully there: should
+    the pool still refuse, the error that ends the engine says why."""
+    refused = Exhausted("device memory: the device said no", 1, 0)
+    monkeypatch.setattr(engine.pool, "alloc", lambda n: refused)
+    with pytest.raises(ValueError, match="device memory: the device said no"):
+        engine.queue.popleft_n(1)

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvshare.runtime.engines.patching import AnyCallable
 from kvshare.runtime.engines.pools import EngineConfigError
+from kvshare.runtime.pool import Exhausted
 
 if TYPE_CHECKING:
     from kvshare.runtime.pool import KVPool
@@ -89,7 +90,8 @@ class PooledFreeBlockQueue:
             if short > self.held.num_free_blocks:
                 if ids:
                     self.pool.free(ids)
-                raise ValueError(f"Cannot get {n} free blocks from the pool")
+                why = f" ({granted.reason})" if isinstance(granted, Exhausted) else ""
+                raise ValueError(f"Cannot get {n} free blocks from the pool{why}")
             if short:
                 blocks.extend(self.held.popleft_n(short))
             return blocks
