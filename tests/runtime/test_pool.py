@@ -444,3 +444,42 @@ def test_a_blocks_address_is_where_its_tensor_view_keeps_it(make_pool: PoolFacto
     assert pool.block_address(2, block) == view[block].data_ptr()
     with pytest.raises(ValueError, match="outside the pool's 256 blocks"):
         pool.block_address(0, 256)
+
+
+def test_while_over_its_lease_the_pool_grows_running_requests_from_its_empty_pages(
+    make_pool: PoolFactory,
+) -> None:
+    """One block per page (a block-outer layout): a pool over its lease has no partial
+    pages to serve from. Running requests still grow into the pages that finished ones
+    emptied and the pool has not given back, as much as they grew in the last step, while
+    new requests wait; once the running requests stop growing the pages go back and the
+    lease is reached."""
+    one_block_pages = KVGeometry(num_buffers=4, block_bytes=PAGE, num_blocks=32, page_size=PAGE)
+    page_bytes = one_block_pages.page_bytes
+    lease = MovableLease(8 * page_bytes)
+    pool = make_pool(one_block_pages, lease=lease, reserve_pages=0)
+    requests = [pool.alloc(1) for _ in range(7)]  # pages 1-7 (page 0: the null block)
+    assert all(requests)
+    lease.set_limit(4 * page_bytes)
+    for finished in requests[:3]:
+        pool.free(finished)  # three pages empty, not yet given back
+    assert not pool.alloc(1), "a new request was admitted while the pool is over its lease"
+    assert pool.available() == 0 and pool.available(running=True) == 3
+    pool.steps.scheduled()
+    grown = pool.alloc(1, running=True)
+    pool.steps.finished()
+    assert grown, "a running request was refused a block the pool holds empty"
+    pool.maintain()
+    # Twice the last step's growth stays for the next step; nothing beyond the lease maps.
+    snap = pool.snapshot()
+    assert snap.ready == 2 * page_bytes and snap.held == 8 * page_bytes
+    pool.steps.scheduled()
+    assert pool.alloc(1, running=True)
+    pool.steps.finished()
+    pool.steps.scheduled()
+    pool.steps.finished()  # a step that grew nothing
+    for block_ids in requests[3:]:
+        pool.free(block_ids)
+    pool.maintain()
+    snap = pool.snapshot()
+    assert snap.held <= snap.limit == 4 * page_bytes

@@ -48,7 +48,7 @@ class _Blocks:
     def __init__(self, count: int) -> None:
         self._free = list(range(count, 0, -1))
 
-    def alloc(self, n: int) -> list[int] | None:
+    def alloc(self, n: int, *, running: bool = False) -> list[int] | None:
         if n > len(self._free):
             return None
         taken = self._free[-n:]
@@ -126,7 +126,7 @@ class _PageView:
         self._pool = pool
         self._model = model
 
-    def alloc(self, n: int) -> list[int] | None:
+    def alloc(self, n: int, *, running: bool = False) -> list[int] | None:
         return self._pool.alloc(self._model, n)
 
     def free(self, ids: Iterable[int]) -> None:

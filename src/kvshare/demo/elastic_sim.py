@@ -353,9 +353,11 @@ class _Node:
         self.clock.at(self.clock.now, run)
 
     def _step(self, model: int) -> None:
-        engine = self.engines[model]
+        engine, pool = self.engines[model], self.pools[model]
+        pool.steps.scheduled()
         engine.step()
-        self.pools[model].maintain()
+        pool.steps.finished()
+        pool.maintain()
         self._schedule_engine(model)
 
     def _schedule_engine(self, model: int) -> None:

@@ -94,8 +94,9 @@ class StepCost:
 class BlockAllocator(Protocol):
     """The part of ``KVPool`` the engine uses (see :mod:`kvshare.runtime.pool`)."""
 
-    def alloc(self, n: int) -> object:
-        """``n`` block ids as a ``list[int]``, or a falsy "no space" result."""
+    def alloc(self, n: int, *, running: bool = False) -> object:
+        """``n`` block ids as a ``list[int]``, or a falsy "no space" result. ``running``:
+        they grow a running request (not one being admitted)."""
 
     def free(self, ids: Iterable[int]) -> None:
         """Give blocks back."""
@@ -337,13 +338,14 @@ class EngineSim:
     def _blocks_for(self, tokens: int) -> int:
         return -(-tokens // self._block_tokens)
 
-    def _alloc(self, n: int) -> list[int] | None:
-        """``n`` blocks, evicting own cached prefix blocks if that is what it takes."""
-        got = self._allocator.alloc(n)
+    def _alloc(self, n: int, *, running: bool = False) -> list[int] | None:
+        """``n`` blocks (``running``: to grow a running request), evicting own cached
+        prefix blocks if that is what it takes."""
+        got = self._allocator.alloc(n, running=running)
         if isinstance(got, list):
             return got
         if self.prefix_cache.evict(n):
-            got = self._allocator.alloc(n)
+            got = self._allocator.alloc(n, running=running)
             if isinstance(got, list):
                 return got
         return None
@@ -359,7 +361,7 @@ class EngineSim:
             need = self._blocks_for(current.tokens() + 1) - held
             grown = True
             while need > 0:
-                got = self._alloc(need)
+                got = self._alloc(need, running=True)
                 if got is not None:
                     current.blocks.extend(got)
                     break

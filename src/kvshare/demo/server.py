@@ -182,8 +182,8 @@ class StampedBlocks:
     def _word(self, block: int) -> ctypes.c_int64:
         return ctypes.c_int64.from_address(self._pool.block_address(0, block))
 
-    def alloc(self, n: int) -> object:
-        got = self._pool.alloc(n)
+    def alloc(self, n: int, *, running: bool = False) -> object:
+        got = self._pool.alloc(n, running=running)
         if isinstance(got, list):
             stamp = self._next
             self._next += 1

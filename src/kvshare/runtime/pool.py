@@ -305,6 +305,9 @@ class KVPool:
         self._fenced_pages = 0
         self._held_pages = 0  # mapped + growing + dropping
         self._used_blocks = 0
+        # Blocks taken for running requests in this engine step and the last.
+        self._running_blocks = 0
+        self._running_step_blocks = 0
         self._allocs = 0
         self._waits = 0
         self._error: PoolError | None = None
@@ -380,8 +383,13 @@ class KVPool:
 
     # --- the engine's hot path -----------------------------------------------------------
 
-    def alloc(self, n: int) -> list[int] | Exhausted:
+    def alloc(self, n: int, *, running: bool = False) -> list[int] | Exhausted:
         """``n`` distinct block ids, or a falsy :class:`Exhausted` (nothing allocated).
+
+        ``running``: the blocks grow a request the engine already runs. While the pool is
+        over its lease those may also come from its empty pages not yet given back, so a
+        request that is finishing is not preempted for memory the pool still holds (see
+        the module docstring); new requests wait.
 
         Never raises for lack of memory and never returns the null block. Raises
         :class:`~kvshare.runtime.errors.PeerError` when a tensor-parallel peer failed,
@@ -398,11 +406,13 @@ class KVPool:
             if self._planned_for != self._limit_pages:
                 self._plan_retiring()
             free = self._free_partial
-            if self._held_pages <= self._limit_pages:
+            if running or self._held_pages <= self._limit_pages:
                 free += self._ready_blocks
             if n <= free:
+                if running:
+                    self._running_blocks += n
                 return self._take(n)
-        return self._alloc_growing(n)
+        return self._alloc_growing(n, running)
 
     def _take(self, n: int) -> list[int]:
         """Hand out ``n`` blocks from mapped pages, best fit. ``_lock`` held; the caller
@@ -447,6 +457,8 @@ class KVPool:
         """Start using the lowest ready page; returns how many blocks were taken."""
         page = min(self._ready)
         del self._ready[page]
+        if self._held_pages > self._limit_pages:
+            self._planned_for = -1  # over the lease: the page joins those kept, re-plan
         fl = self._fl[page]
         self._ready_blocks -= len(fl)
         take = min(wanted, len(fl))
@@ -559,20 +571,21 @@ class KVPool:
             )
         self._want(wanted)
 
-    def available(self) -> int:
-        """Blocks :meth:`alloc` could hand out right now, growing within the lease."""
+    def available(self, *, running: bool = False) -> int:
+        """Blocks :meth:`alloc` could hand out right now, growing within the lease
+        (``running``: to requests the engine already runs)."""
         with self._lock:
-            return self._available()
+            return self._available(running)
 
-    def _available(self) -> int:
+    def _available(self, running: bool = False) -> int:
         if self._held_pages > self._limit_pages:
-            return self._free_partial
+            return self._free_partial + (self._ready_blocks if running else 0)
         room = min(self._limit_pages - self._held_pages, len(self._unmapped))
         return self._free_partial + self._ready_blocks + room * self._min_cap
 
     # --- growing ---------------------------------------------------------------------------
 
-    def _alloc_growing(self, n: int) -> list[int] | Exhausted:
+    def _alloc_growing(self, n: int, running: bool) -> list[int] | Exhausted:
         """The slow path: map new pages for this request (the reserve did not cover it)."""
         rounds = 0
         while rounds < _ALLOC_ROUNDS:  # others may take the new pages first: try again
@@ -582,8 +595,10 @@ class KVPool:
                 if self._planned_for != self._limit_pages:
                     self._plan_retiring()
                 over = self._held_pages > self._limit_pages
-                free = self._free_partial + (0 if over else self._ready_blocks)
+                free = self._free_partial + (self._ready_blocks if running or not over else 0)
                 if n <= free:
+                    if running:
+                        self._running_blocks += n
                     return self._take(n)
                 pages, refusal = self._pick_pages_for(n - free, over)
                 if not pages and not over and (self._growing or self._dropping):
@@ -599,7 +614,7 @@ class KVPool:
                     self._waits += 1
                     available = 0
                 else:
-                    available = self._available()
+                    available = self._available(running)
                     wanted = (
                         self._held_pages
                         + -(-(n - free) // max(1, self._min_cap))
@@ -755,8 +770,18 @@ class KVPool:
 
     def _step_finished(self) -> None:
         """An engine step is done (its scheduler's thread): fenced pages may be due."""
+        with self._lock:
+            self._running_step_blocks = self._running_blocks
+            self._running_blocks = 0
         if self._fenced_pages:
             self._wake.set()
+
+    def _spare_pages(self) -> int:
+        """Empty pages kept while over the lease for the running requests' next blocks:
+        room for twice what they took in the last step (or this one, if more). ``_lock``
+        held."""
+        blocks = 2 * max(self._running_step_blocks, self._running_blocks)
+        return -(-blocks // max(1, self._min_cap))
 
     def _plan_retiring(self) -> None:
         """Retire or restore pages so that at most ``limit`` pages holding blocks stay in
@@ -924,7 +949,8 @@ class KVPool:
             if over > 0:
                 # Down to the lease, and the reserve trimmed as well in the same pass.
                 excess = len(self._ready) - self._reserve_pages
-                drop = self._pick_ready_to_drop(max(over, excess))
+                kept = len(self._ready) - self._spare_pages()
+                drop = self._pick_ready_to_drop(min(max(over, excess), kept))
                 grow: list[int] = []
             else:
                 drop = self._pick_ready_to_drop(len(self._ready) - self._reserve_pages)
