@@ -24,6 +24,12 @@ Invariants
   :class:`Exhausted` once the kept pages are full (the engine queues or preempts). When
   the lease rises again, or a kept page empties, retired pages go back into service,
   fullest first.
+- While over its lease, blocks that grow a request the engine already runs
+  (``alloc(n, running=True)``) may also come from empty pages the pool still holds, and
+  maintenance keeps as many of those as twice what running requests took in the last
+  engine step: with one block per page there are no partial pages, and a running request
+  refused its next block is preempted and recomputed. New requests wait, so the pool
+  still reaches its lease as requests finish.
 
 - A page emptied while the engine still had steps in flight is unmapped only after
   them: pages picked for unmapping are stamped with the engine's steps scheduled so far
