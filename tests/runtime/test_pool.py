@@ -451,9 +451,8 @@ def test_while_over_its_lease_the_pool_grows_running_requests_from_its_empty_pag
 ) -> None:
     """One block per page (a block-outer layout): a pool over its lease has no partial
     pages to serve from. Running requests still grow into the pages that finished ones
-    emptied and the pool has not given back, as much as they grew in the last step, while
-    new requests wait; once the running requests stop growing the pages go back and the
-    lease is reached."""
+    emptied, one page kept per request the engine runs, while new requests wait; once the
+    running requests finish the pages go back and the lease is reached."""
     one_block_pages = KVGeometry(num_buffers=4, block_bytes=PAGE, num_blocks=32, page_size=PAGE)
     page_bytes = one_block_pages.page_bytes
     lease = MovableLease(8 * page_bytes)
@@ -463,23 +462,50 @@ def test_while_over_its_lease_the_pool_grows_running_requests_from_its_empty_pag
     lease.set_limit(4 * page_bytes)
     for finished in requests[:3]:
         pool.free(finished)  # three pages empty, not yet given back
-    assert not pool.alloc(1), "a new request was admitted while the pool is over its lease"
-    assert pool.available() == 0 and pool.available(running=True) == 3
-    pool.steps.scheduled()
-    grown = pool.alloc(1, running=True)
-    pool.steps.finished()
-    assert grown, "a running request was refused a block the pool holds empty"
+    pool.set_running_requests(2)  # two of the four left still decode
     pool.maintain()
-    # Twice the last step's growth stays for the next step; nothing beyond the lease maps.
+    # One empty page per running request stays (and page 0); nothing beyond the lease maps.
     snap = pool.snapshot()
-    assert snap.ready == 2 * page_bytes and snap.held == 8 * page_bytes
-    pool.steps.scheduled()
-    assert pool.alloc(1, running=True)
-    pool.steps.finished()
-    pool.steps.scheduled()
-    pool.steps.finished()  # a step that grew nothing
-    for block_ids in requests[3:]:
+    assert snap.ready == 2 * page_bytes and snap.held == 7 * page_bytes
+    assert not pool.alloc(1), "a new request was admitted while the pool is over its lease"
+    assert pool.available() == 0 and pool.available(running=True) == 2
+    grown = pool.alloc(1, running=True)
+    assert grown, "a running request was refused a block the pool holds empty"
+    pool.set_running_requests(0)
+    for block_ids in [*requests[3:], grown]:
         pool.free(block_ids)
     pool.maintain()
     snap = pool.snapshot()
     assert snap.held <= snap.limit == 4 * page_bytes
+
+
+def test_a_pool_over_its_lease_counts_only_the_blocks_it_will_hand_out(
+    make_pool: PoolFactory,
+) -> None:
+    """A running request grew into an emptied page, which rejoins the pages in service;
+    the pool is still over its lease, so that page is retired again at the next
+    allocation. An engine counts free blocks and then takes them (vLLM cannot fail in
+    between): the count already leaves out the retired page's blocks."""
+    eight_block_pages = KVGeometry(
+        num_buffers=4, block_bytes=PAGE // 8, num_blocks=64, page_size=PAGE
+    )
+    page_bytes = eight_block_pages.page_bytes
+    lease = MovableLease(4 * page_bytes)
+    pool = make_pool(eight_block_pages, lease=lease, reserve_pages=0)
+    assert pool.alloc(7) and pool.alloc(8)  # pages 0 (around the null block) and 1, full
+    finishing = pool.alloc(8)  # page 2
+    assert finishing
+    lease.set_limit(2 * page_bytes)
+    pool.free(finishing)
+    pool.set_running_requests(1)
+    pool.maintain()
+    assert pool.alloc(1, running=True), "the running request was refused the empty page"
+    counted = pool.available()
+    assert counted == 0, f"{counted} blocks counted free on a page the pool retires"
+    assert not pool.alloc(1)
+
+
+def test_the_running_request_count_is_checked(make_pool: PoolFactory) -> None:
+    pool = make_pool(GEOMETRY)
+    with pytest.raises(ValueError, match="running requests must be >= 0"):
+        pool.set_running_requests(-1)

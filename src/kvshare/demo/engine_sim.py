@@ -241,6 +241,11 @@ class EngineSim:
         """Logical time: when the next step starts (the last one's end)."""
         return self._clock
 
+    @property
+    def running_requests(self) -> int:
+        """Requests running into the next step (each may take a block in it)."""
+        return len(self._running)
+
     def idle(self) -> bool:
         """Nothing is running or waiting: the engine waits for the next arrival."""
         return not self._running and not self._waiting

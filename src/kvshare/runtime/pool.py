@@ -26,8 +26,9 @@ Invariants
   fullest first.
 - While over its lease, blocks that grow a request the engine already runs
   (``alloc(n, running=True)``) may also come from empty pages the pool still holds, and
-  maintenance keeps as many of those as twice what running requests took in the last
-  engine step: with one block per page there are no partial pages, and a running request
+  maintenance keeps enough of those for one new block per request the engine runs
+  (:meth:`KVPool.set_running_requests`; a decoding request takes at most one block a
+  step): with one block per page there are no partial pages, and a running request
   refused its next block is preempted and recomputed. New requests wait, so the pool
   still reaches its lease as requests finish.
 
@@ -311,9 +312,8 @@ class KVPool:
         self._fenced_pages = 0
         self._held_pages = 0  # mapped + growing + dropping
         self._used_blocks = 0
-        # Blocks taken for running requests in this engine step and the last.
-        self._running_blocks = 0
-        self._running_step_blocks = 0
+        # Requests the engine runs into its next step (set_running_requests).
+        self._running_requests = 0
         self._allocs = 0
         self._waits = 0
         self._error: PoolError | None = None
@@ -411,14 +411,17 @@ class KVPool:
             self._allocs += 1
             if self._planned_for != self._limit_pages:
                 self._plan_retiring()
-            free = self._free_partial
-            if running or self._held_pages <= self._limit_pages:
-                free += self._ready_blocks
-            if n <= free:
-                if running:
-                    self._running_blocks += n
+            if n <= self._mapped_free(running):
                 return self._take(n)
         return self._alloc_growing(n, running)
+
+    def _mapped_free(self, running: bool) -> int:
+        """Free blocks an allocation may take without mapping a page: those of partial
+        pages, and of ready pages unless the pool is over its lease and the blocks are
+        not for running requests. ``_lock`` held."""
+        if running or self._held_pages <= self._limit_pages:
+            return self._free_partial + self._ready_blocks
+        return self._free_partial
 
     def _take(self, n: int) -> list[int]:
         """Hand out ``n`` blocks from mapped pages, best fit. ``_lock`` held; the caller
@@ -583,11 +586,27 @@ class KVPool:
         with self._lock:
             return self._available(running)
 
+    def set_running_requests(self, count: int) -> None:
+        """The engine runs ``count`` requests into its next step (its scheduler says so
+        after each step). While over its lease the pool keeps empty pages for one new
+        block each (a decoding request takes at most one a step), so that no running
+        request is preempted for want of a block the pool holds empty; a pool no engine
+        tells keeps none."""
+        if count < 0:
+            raise ValueError(f"running requests must be >= 0, got {count}")
+        with self._lock:
+            self._running_requests = count
+
     def _available(self, running: bool = False) -> int:
+        if self._planned_for != self._limit_pages:
+            # As alloc would: the count must not include blocks of pages it will retire
+            # (an engine that counts free blocks and then takes them cannot fail between).
+            self._plan_retiring()
+        free = self._mapped_free(running)
         if self._held_pages > self._limit_pages:
-            return self._free_partial + (self._ready_blocks if running else 0)
+            return free
         room = min(self._limit_pages - self._held_pages, len(self._unmapped))
-        return self._free_partial + self._ready_blocks + room * self._min_cap
+        return free + room * self._min_cap
 
     # --- growing ---------------------------------------------------------------------------
 
@@ -601,10 +620,8 @@ class KVPool:
                 if self._planned_for != self._limit_pages:
                     self._plan_retiring()
                 over = self._held_pages > self._limit_pages
-                free = self._free_partial + (self._ready_blocks if running or not over else 0)
+                free = self._mapped_free(running)
                 if n <= free:
-                    if running:
-                        self._running_blocks += n
                     return self._take(n)
                 pages, refusal = self._pick_pages_for(n - free, over)
                 if not pages and not over and (self._growing or self._dropping):
@@ -776,18 +793,13 @@ class KVPool:
 
     def _step_finished(self) -> None:
         """An engine step is done (its scheduler's thread): fenced pages may be due."""
-        with self._lock:
-            self._running_step_blocks = self._running_blocks
-            self._running_blocks = 0
         if self._fenced_pages:
             self._wake.set()
 
     def _spare_pages(self) -> int:
         """Empty pages kept while over the lease for the running requests' next blocks:
-        room for twice what they took in the last step (or this one, if more). ``_lock``
-        held."""
-        blocks = 2 * max(self._running_step_blocks, self._running_blocks)
-        return -(-blocks // max(1, self._min_cap))
+        one block each. ``_lock`` held."""
+        return -(-self._running_requests // max(1, self._min_cap))
 
     def _plan_retiring(self) -> None:
         """Retire or restore pages so that at most ``limit`` pages holding blocks stay in
@@ -955,8 +967,8 @@ class KVPool:
             if over > 0:
                 # Down to the lease, and the reserve trimmed as well in the same pass.
                 excess = len(self._ready) - self._reserve_pages
-                kept = len(self._ready) - self._spare_pages()
-                drop = self._pick_ready_to_drop(min(max(over, excess), kept))
+                droppable = len(self._ready) - self._spare_pages()
+                drop = self._pick_ready_to_drop(min(max(over, excess), droppable))
                 grow: list[int] = []
             else:
                 drop = self._pick_ready_to_drop(len(self._ready) - self._reserve_pages)
