@@ -58,6 +58,9 @@ class _Blocks:
     def free(self, ids: Iterable[int]) -> None:
         self._free.extend(ids)
 
+    def set_running_requests(self, count: int) -> None:
+        """Nothing to keep pages for: this world has no lease."""
+
 
 class _PagePool:
     """The GPU's blocks in pages of ``blocks_per_page``, shared first come, first served
@@ -131,6 +134,9 @@ class _PageView:
 
     def free(self, ids: Iterable[int]) -> None:
         self._pool.free(self._model, ids)
+
+    def set_running_requests(self, count: int) -> None:
+        """Nothing to keep pages for: this world has no lease."""
 
 
 @dataclass(frozen=True)

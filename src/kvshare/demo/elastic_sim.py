@@ -356,7 +356,6 @@ class _Node:
         engine, pool = self.engines[model], self.pools[model]
         pool.steps.scheduled()
         engine.step()
-        pool.set_running_requests(engine.running_requests)
         pool.steps.finished()
         pool.maintain()
         self._schedule_engine(model)

@@ -101,6 +101,9 @@ class BlockAllocator(Protocol):
     def free(self, ids: Iterable[int]) -> None:
         """Give blocks back."""
 
+    def set_running_requests(self, count: int) -> None:
+        """The engine runs ``count`` requests into its next step (said after each step)."""
+
 
 class PrefixCache:
     """One model's system-prompt blocks: shared by the requests using them, then cached.
@@ -241,11 +244,6 @@ class EngineSim:
         """Logical time: when the next step starts (the last one's end)."""
         return self._clock
 
-    @property
-    def running_requests(self) -> int:
-        """Requests running into the next step (each may take a block in it)."""
-        return len(self._running)
-
     def idle(self) -> bool:
         """Nothing is running or waiting: the engine waits for the next arrival."""
         return not self._running and not self._waiting
@@ -297,6 +295,7 @@ class EngineSim:
         for entry in admitted:  # their first token comes with the step's end
             self._first_token(entry)
         self._finish()
+        self._allocator.set_running_requests(len(self._running))
         return self.sample()
 
     def _first_token(self, entry: _Running) -> None:

@@ -182,6 +182,9 @@ class StampedBlocks:
     def _word(self, block: int) -> ctypes.c_int64:
         return ctypes.c_int64.from_address(self._pool.block_address(0, block))
 
+    def set_running_requests(self, count: int) -> None:
+        self._pool.set_running_requests(count)
+
     def alloc(self, n: int, *, running: bool = False) -> object:
         got = self._pool.alloc(n, running=running)
         if isinstance(got, list):
