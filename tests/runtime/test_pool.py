@@ -505,6 +505,38 @@ def test_a_pool_over_its_lease_counts_only_the_blocks_it_will_hand_out(
     assert not pool.alloc(1)
 
 
+def test_while_over_its_lease_running_requests_grow_into_the_free_blocks_of_retired_pages(
+    make_pool: PoolFactory,
+) -> None:
+    """A retired page half emptied by a finished request takes no new request, but a
+    running request's next blocks: they are mapped memory the pool cannot give back
+    before the page's other request finishes anyway."""
+    eight_block_pages = KVGeometry(
+        num_buffers=4, block_bytes=PAGE // 8, num_blocks=64, page_size=PAGE
+    )
+    page_bytes = eight_block_pages.page_bytes
+    lease = MovableLease(4 * page_bytes)
+    pool = make_pool(eight_block_pages, lease=lease, reserve_pages=0)
+    assert pool.alloc(7) and pool.alloc(8)  # pages 0 (around the null block) and 1, full
+    finishing, staying = pool.alloc(4), pool.alloc(4)  # page 2, full
+    assert finishing and staying
+    lease.set_limit(2 * page_bytes)
+    assert pool.available() == 0  # page 2 is retired: over the lease, full pages only
+    pool.free(finishing)
+    pool.set_running_requests(3)
+    assert not pool.alloc(1), "a new request was admitted while the pool is over its lease"
+    assert pool.available(running=True) == 4
+    grown = pool.alloc(3, running=True)
+    assert grown and {pool.geometry.page_of(b) for b in grown} == {2}
+    assert pool.available(running=True) == 1
+    pool.set_running_requests(0)
+    for block_ids in (staying, grown):
+        pool.free(block_ids)
+    pool.maintain()
+    snap = pool.snapshot()
+    assert snap.held <= snap.limit == 2 * page_bytes
+
+
 def test_the_running_request_count_is_checked(make_pool: PoolFactory) -> None:
     pool = make_pool(GEOMETRY)
     with pytest.raises(ValueError, match="running requests must be >= 0"):

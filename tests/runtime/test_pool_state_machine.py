@@ -4,7 +4,9 @@ After every step: no block is handed out twice, every page is mapped at most onc
 exactly the pages the pool accounts for are mapped, the pool never grows beyond its
 lease, the engine's data in blocks in use is intact, after a maintenance pass every
 free page beyond the reserve is unmapped, and while the pool is over its lease it places
-new blocks in no more pages than the lease covers (so the other pages can empty).
+new requests' blocks in no more pages than the lease covers (so the other pages can
+empty) and keeps no more empty pages than its running requests' next blocks need. Blocks
+the pool counts as available can always be taken (an engine counts, then takes).
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ PAGE = 16384
 GEOMETRY = KVGeometry(num_buffers=2, block_bytes=4096, num_blocks=18, page_size=PAGE)
 PAGE_BYTES = GEOMETRY.page_bytes
 RESERVE = 2
+#: Fewest blocks a page other than page 0 holds: the spare pages' unit.
+MIN_CAP = min(c for c in (len(GEOMETRY.blocks_of(p)) for p in range(1, GEOMETRY.num_pages)) if c)
 
 
 class PoolMachine(RuleBasedStateMachine):
@@ -40,6 +44,7 @@ class PoolMachine(RuleBasedStateMachine):
         self.cache = PrefixCache(self.pool)
         self.pool.set_evictor(self.cache)
         self.in_use: set[int] = set()
+        self.running = 0  # requests the engine says it runs
         # Blocks allocated while the pool was over its current lease (reset when it moves).
         self.placed_while_over: set[int] = set()
         self.view = self.pool.tensor(0, 2)
@@ -51,13 +56,30 @@ class PoolMachine(RuleBasedStateMachine):
     def _mark(self, block: int) -> int:
         return block * 7 % 251
 
-    @rule(n=st.integers(min_value=1, max_value=9))
-    def alloc(self, n: int) -> None:
+    @rule(n=st.integers(min_value=1, max_value=9), running=st.booleans())
+    def alloc(self, n: int, running: bool) -> None:
         before = self.pool.snapshot()
-        ids = self.pool.alloc(n)
+        ids = self.pool.alloc(n, running=running)
         if not ids:
             return
-        if before.held > before.limit:
+        self._took(ids, n, over=before.held > before.limit and not running)
+
+    @rule(running=st.booleans())
+    def counted_blocks_can_be_taken(self, running: bool) -> None:
+        before = self.pool.snapshot()
+        n = self.pool.available(running=running)
+        if n:
+            ids = self.pool.alloc(n, running=running)
+            assert ids, f"{n} blocks counted available were refused: {ids!r}"
+            self._took(ids, n, over=before.held > before.limit and not running)
+
+    @rule(count=st.integers(min_value=0, max_value=5))
+    def engine_runs(self, count: int) -> None:
+        self.pool.set_running_requests(count)
+        self.running = count
+
+    def _took(self, ids: list[int], n: int, *, over: bool) -> None:
+        if over:
             self.placed_while_over |= set(ids)
         assert len(ids) == n == len(set(ids))
         assert NULL_BLOCK not in ids
@@ -107,9 +129,11 @@ class PoolMachine(RuleBasedStateMachine):
         self.pool.maintain()
         snap = self.pool.snapshot()
         pages_in_use = {GEOMETRY.page_of(b) for b in self.in_use} | {0}
-        if snap.held > snap.limit:  # still over the lease: only pages with live blocks stay
-            assert not self.cache.blocks
-            assert self.pool.mapped_pages() == pages_in_use
+        if snap.held > snap.limit:  # still over the lease: pages with live blocks stay,
+            assert not self.cache.blocks  # and empty ones for the running requests' next blocks
+            spare = self.pool.mapped_pages() - pages_in_use
+            assert pages_in_use <= self.pool.mapped_pages()
+            assert len(spare) <= -(-self.running // MIN_CAP)
         else:  # every free page beyond the reserve is unmapped
             assert snap.ready <= RESERVE * PAGE_BYTES
 

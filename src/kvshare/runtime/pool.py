@@ -17,20 +17,21 @@ Invariants
   pages as they empty; it never touches blocks in use.
 - While over its lease, the pool *keeps* at most ``limit`` pages that hold blocks and
   *retires* the others: the emptiest ones (most free blocks, so they empty soonest),
-  never page 0 (the null block never leaves it). New blocks go only into kept pages;
-  a retired page takes no new block, and once its last block is freed it is unmapped.
+  never page 0 (the null block never leaves it). New requests' blocks go only into kept
+  pages; a retired page takes none, and once its last block is freed it is unmapped.
   So a backlog that refills every freed block cannot keep the pool over its lease: the
   retired pages empty as the requests on them finish, while allocation fails with
   :class:`Exhausted` once the kept pages are full (the engine queues or preempts). When
   the lease rises again, or a kept page empties, retired pages go back into service,
   fullest first.
 - While over its lease, blocks that grow a request the engine already runs
-  (``alloc(n, running=True)``) may also come from empty pages the pool still holds, and
-  maintenance keeps enough of those for one new block per request the engine runs
-  (:meth:`KVPool.set_running_requests`; a decoding request takes at most one block a
-  step): with one block per page there are no partial pages, and a running request
-  refused its next block is preempted and recomputed. New requests wait, so the pool
-  still reaches its lease as requests finish.
+  (``alloc(n, running=True)``) may also come from the free blocks of retired pages and
+  from empty pages the pool still holds; maintenance keeps enough of those empty pages
+  for one new block per request the engine runs (:meth:`KVPool.set_running_requests`; a
+  decoding request takes at most one block a step). Otherwise a running request refused
+  its next block is preempted and recomputed, and with one block per page there are no
+  partial pages to serve it. New requests wait, so the pool still reaches its lease as
+  requests finish.
 
 - A page emptied while the engine still had steps in flight is unmapped only after
   them: pages picked for unmapping are stamped with the engine's steps scheduled so far
@@ -303,6 +304,7 @@ class KVPool:
         heapq.heapify(self._unmapped)
         self._free_partial = 0  # free blocks in partial pages
         self._ready_blocks = 0  # free blocks in ready pages
+        self._retired_free = 0  # free blocks in retired pages (for running requests only)
         self._mapped_pages = 0
         self._growing = 0  # busy pages being created and mapped
         self._dropping = 0  # busy pages being unmapped and released
@@ -412,20 +414,24 @@ class KVPool:
             if self._planned_for != self._limit_pages:
                 self._plan_retiring()
             if n <= self._mapped_free(running):
-                return self._take(n)
+                return self._take(n, running)
         return self._alloc_growing(n, running)
 
     def _mapped_free(self, running: bool) -> int:
         """Free blocks an allocation may take without mapping a page: those of partial
-        pages, and of ready pages unless the pool is over its lease and the blocks are
-        not for running requests. ``_lock`` held."""
-        if running or self._held_pages <= self._limit_pages:
+        pages; of ready pages unless the pool is over its lease and the blocks are not for
+        running requests; and for running requests those of retired pages. ``_lock``
+        held."""
+        if running:
+            return self._free_partial + self._retired_free + self._ready_blocks
+        if self._held_pages <= self._limit_pages:
             return self._free_partial + self._ready_blocks
         return self._free_partial
 
-    def _take(self, n: int) -> list[int]:
-        """Hand out ``n`` blocks from mapped pages, best fit. ``_lock`` held; the caller
-        checked that enough are free."""
+    def _take(self, n: int, running: bool) -> list[int]:
+        """Hand out ``n`` blocks from mapped pages, best fit (for ``running`` requests,
+        retired pages before ready ones). ``_lock`` held; the caller checked that enough
+        are free."""
         out: list[int] = []
         buckets = self._buckets
         fls = self._fl
@@ -437,6 +443,9 @@ class KVPool:
                 k = remaining + ((fits & -fits).bit_length() - 1)
             elif mask:  # no partial page fits: fill the fullest one completely
                 k = (mask & -mask).bit_length() - 1
+            elif running and self._retired_free:
+                remaining -= self._take_retired(remaining, out)
+                continue
             else:
                 remaining -= self._take_ready(remaining, out)
                 continue
@@ -461,6 +470,18 @@ class KVPool:
             state[block] = _ALLOCATED
         self._used_blocks += n
         return out
+
+    def _take_retired(self, wanted: int, out: list[int]) -> int:
+        """Take blocks from the retired page with the fewest free ones (the one least
+        likely to empty soon); returns how many. ``_lock`` held."""
+        fls = self._fl
+        page = min((p for p in self._retiring if fls[p]), key=lambda p: len(fls[p]))
+        fl = fls[page]
+        take = min(wanted, len(fl))
+        out += fl[-1 : -take - 1 : -1]
+        del fl[-take:]
+        self._retired_free -= take
+        return take
 
     def _take_ready(self, wanted: int, out: list[int]) -> int:
         """Start using the lowest ready page; returns how many blocks were taken."""
@@ -523,7 +544,9 @@ class KVPool:
         retiring = self._retiring
         for page, old in before.items():
             if page in retiring:  # out of service: it only waits to empty
+                self._retired_free += len(fls[page]) - old
                 if len(fls[page]) == cap[page]:
+                    self._retired_free -= cap[page]
                     del retiring[page]
                     self._ready[page] = None  # dropped by maintenance while over the lease
                     self._ready_blocks += cap[page]
@@ -622,7 +645,7 @@ class KVPool:
                 over = self._held_pages > self._limit_pages
                 free = self._mapped_free(running)
                 if n <= free:
-                    return self._take(n)
+                    return self._take(n, running)
                 pages, refusal = self._pick_pages_for(n - free, over)
                 if not pages and not over and (self._growing or self._dropping):
                     # Pages in flight within the lease (being created for the reserve or
@@ -827,6 +850,7 @@ class KVPool:
                 if page:
                     del bucket[page]
                     self._free_partial -= free
+                    self._retired_free += free
                     chosen.append(page)
             if not bucket:
                 self._mask &= ~(1 << free)
@@ -850,6 +874,7 @@ class KVPool:
                 self._buckets[free][page] = None
                 self._mask |= 1 << free
                 self._free_partial += free
+                self._retired_free -= free
 
     def _evict_for_lease(self) -> bool:
         """Ask the engine to evict cached blocks to get under the lease; whether any went."""
