@@ -52,7 +52,7 @@ what is taken back, and from whom, follows from what comes back fast and what do
   --seeds 6``, 30 traces) asks lapsing after 1 s captured 0.53 of the available gain on
   average, 0.46 when they lapsed after 1.5 s, with as few traces (4) leaving a tenant
   below 0.9 of its due (measured before a shrinking pool let running requests grow into
-  its emptied pages; with that, 1 s gives 0.53 and 4 such traces).
+  its emptied and retired pages; with that, 1 s gives 0.62 and 2 such traces).
 
 Measured against :class:`FairShare` on the trace suite (``bench/run.py elastic-suite``,
 ``python -m kvshare.demo.elastic_sim``), it gains more of what sharing allows and keeps
