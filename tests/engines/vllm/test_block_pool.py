@@ -253,18 +253,13 @@ def test_a_reclaim_between_counting_and_allocating_waits_for_the_step_to_end(
 
     monkeypatch.setattr(block_pool, "get_num_free_blocks", count_then_reclaim)
     req = request(prompt(40, 8))
-    scheduler = SimpleNamespace(kv_cache_manager=engine.manager, running=[req])
+    scheduler = SimpleNamespace(kv_cache_manager=engine.manager)
     step = vllm_blocks.scheduling_a_step(lambda _: schedule(engine, req))
     ids = step(scheduler)
     assert ids is not None and len(ids) == 8  # what vLLM counted is what it got
     assert pool.snapshot().lease == lower  # the reclaim took effect when the step ended
-
     # The step's output finishes the request (vLLM frees its blocks there).
-    def finish(_: object) -> None:
-        engine.manager.free(req)
-        scheduler.running.remove(req)
-
-    vllm_blocks.finishing_a_step(finish)(scheduler)
+    vllm_blocks.finishing_a_step(lambda _: engine.manager.free(req))(scheduler)
     assert eventually(lambda: pool.snapshot().mapped <= len(LAYERS) * PAGE, pool.maintain), (
         "the pool did not shrink to page 0 after the step"
     )
@@ -276,6 +271,6 @@ def test_blocks_the_pool_cannot_hand_out_after_all_fail_with_its_reason(
     """vLLM takes the blocks it counted as free and cannot fail gracefully there: should
     the pool still refuse, the error that ends the engine says why."""
     refused = Exhausted("device memory: the device said no", 1, 0)
-    monkeypatch.setattr(engine.pool, "alloc", lambda n, running=False: refused)
+    monkeypatch.setattr(engine.pool, "alloc", lambda n: refused)
     with pytest.raises(ValueError, match="device memory: the device said no"):
         engine.queue.popleft_n(1)

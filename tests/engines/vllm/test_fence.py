@@ -95,7 +95,7 @@ def test_a_page_freed_under_steps_in_flight_waits_for_their_output_and_for_the_d
     try:
         # The worker runs step 2 now: the patched execute_model marks its device fence.
         vllm_common.marking_the_device_fence(lambda _: backend.launch(attention))(worker)
-        scheduler.update_from_output(step2, output({"b": STOP}))  # step 2 is back: b is done
+        scheduler.update_from_output(step2, output({"b": 9}))  # step 2's output is back
         maintenance = maintain_in_background(pool)
         # Due by the scheduler's count, but step 2 still runs on this rank's device.
         assert page in rank.mapped_pages(), "unmapped while the device still reads it"

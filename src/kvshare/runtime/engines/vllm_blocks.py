@@ -6,10 +6,7 @@ without a prefix-cache hash go back to the pool at once, and cached blocks stay 
 LRU queue until vLLM reuses them or the pool asks for memory back
 (:class:`BlockPoolEvictor`). The free count the scheduler checks is what the pool can hand
 out now plus the cached blocks, so exhaustion makes ``allocate_slots`` return ``None`` and
-the scheduler preempts or waits. While ``allocate_slots`` grows a request vLLM already
-runs, the count and the blocks are those the pool gives running requests (while it shrinks
-to a lowered lease, its emptied pages too; see :meth:`KVPool.alloc`), and each step tells
-the pool how many requests run into it.
+the scheduler preempts or waits.
 
 Threads: the evictor runs on the pool's thread. One re-entrant lock per block pool
 (``PooledFreeBlockQueue.lock``) is held by every queue operation, by the evictor and around
@@ -65,14 +62,12 @@ class PooledFreeBlockQueue:
         self.held = held
         self.lock = threading.RLock()  # guards held and the block pool's cache state
         self._all_free_for_reset = False
-        # Set (under lock) while allocate_slots grows a request vLLM already runs.
-        self.for_running = False
 
     @property
     def num_free_blocks(self) -> int:
         if self._all_free_for_reset:
             return int(self.block_pool.num_gpu_blocks) - 1
-        return int(self.held.num_free_blocks) + self.pool.available(running=self.for_running)
+        return int(self.held.num_free_blocks) + self.pool.available()
 
     @property
     def num_held_blocks(self) -> int:
@@ -87,9 +82,8 @@ class PooledFreeBlockQueue:
         if n == 0:
             return []
         with self.lock:
-            running = self.for_running
-            fresh = min(n, self.pool.available(running=running))
-            granted = self.pool.alloc(fresh, running=running) if fresh else []
+            fresh = min(n, self.pool.available())
+            granted = self.pool.alloc(fresh) if fresh else []
             ids = granted if isinstance(granted, list) else []  # Exhausted: none fresh
             blocks = [self.block_pool.blocks[i] for i in ids]
             short = n - len(blocks)
@@ -190,8 +184,7 @@ def attach(block_pool: Any, pool: KVPool) -> PooledFreeBlockQueue:
 
 def _holding_block_pool_lock(original: AnyCallable, counted: str) -> AnyCallable:
     """A scheduler step that holds the block pool's lock and its lease steady, and counts
-    the step on the pool's step fence (``counted``: ``"scheduled"`` or ``"finished"``).
-    After it the pool hears how many requests run into the next step."""
+    the step on the pool's step fence (``counted``: ``"scheduled"`` or ``"finished"``)."""
 
     def step(self: Any, *args: Any, **kwargs: Any) -> Any:
         queue = queue_of(self.kv_cache_manager.block_pool)
@@ -199,9 +192,7 @@ def _holding_block_pool_lock(original: AnyCallable, counted: str) -> AnyCallable
             return original(self, *args, **kwargs)
         getattr(queue.pool.steps, counted)()
         with queue.pool.steady_lease(), queue.lock:
-            result = original(self, *args, **kwargs)
-            queue.pool.set_running_requests(len(self.running))
-        return result
+            return original(self, *args, **kwargs)
 
     return step
 
@@ -248,29 +239,21 @@ def resetting_through_pool(original: AnyCallable) -> AnyCallable:
 
 
 def signalling_shortfall(original: AnyCallable) -> AnyCallable:
-    """Wrapper for ``KVCacheManager.allocate_slots``: blocks for a request vLLM already
-    runs are counted and taken as the pool gives them to running requests. vLLM compares
-    the blocks a request needs with the free count and returns ``None`` without asking the
-    free queue; the pool then hears of the shortfall and asks for more lease, as an
-    allocation it could not serve would (a pool reclaimed to its minimum would otherwise
-    never grow again while vLLM only ever takes what it sees free)."""
-    from vllm.v1.request import RequestStatus
+    """Wrapper for ``KVCacheManager.allocate_slots``: vLLM compares the blocks a request
+    needs with the free count and returns ``None`` without asking the free queue; the pool
+    then hears of the shortfall and asks for more lease, as an allocation it could not serve
+    would (a pool reclaimed to its minimum would otherwise never grow again while vLLM only
+    ever takes what it sees free)."""
 
     def allocate_slots(
         self: Any, request: Any, num_new_tokens: int, *args: Any, **kwargs: Any
     ) -> Any:
-        queue = queue_of(self.block_pool)
-        if queue is None:
-            return original(self, request, num_new_tokens, *args, **kwargs)
-        with queue.lock:
-            queue.for_running = request.status == RequestStatus.RUNNING
-            try:
-                blocks = original(self, request, num_new_tokens, *args, **kwargs)
-            finally:
-                queue.for_running = False
+        blocks = original(self, request, num_new_tokens, *args, **kwargs)
         if blocks is None:
-            tokens = int(self.kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size)
-            queue.pool.short_of(-(-max(1, int(num_new_tokens)) // tokens) + 1)
+            queue = queue_of(self.block_pool)
+            if queue is not None:
+                tokens = int(self.kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size)
+                queue.pool.short_of(-(-max(1, int(num_new_tokens)) // tokens) + 1)
         return blocks
 
     return allocate_slots

@@ -559,8 +559,7 @@ def vllm_patch_set(
             Patch(
                 Target(scheduler, f"Scheduler.{name}", parameters),
                 wrap,
-                "the pool evicts, lowers its lease and counts steps (and running requests) between "
-                "scheduler steps",
+                "the pool evicts, lowers its lease and counts steps between scheduler steps",
             )
             for name, parameters, wrap in (
                 ("schedule", ("self", "throttle_prefills"), scheduling_a_step),
@@ -589,8 +588,7 @@ def vllm_patch_set(
                 allocate_slots_parameters,
             ),
             signalling_shortfall,
-            "a running request grows as the pool serves running requests; one held back for "
-            "want of free blocks asks the pool for more lease",
+            "a request held back for want of free blocks asks the pool for more lease",
         ),
         Patch(
             Target(block_pool, "BlockPool.reset_prefix_cache", ("self",)),
