@@ -11,7 +11,9 @@ that reads the finished request's KV block, held until the test lets it run.
 from __future__ import annotations
 
 import threading
+import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -20,25 +22,108 @@ import pytest
 import torch
 
 from kvshare.runtime.backends.host import HostBackend
-from kvshare.runtime.engines import vllm_common
+from kvshare.runtime.engines import pools, vllm_blocks, vllm_common
+from kvshare.runtime.engines.activation import activate
 from kvshare.runtime.pool import KVPool
-from tests.engines.vllm.kv_setup import BLOCK_TOKENS, LAYERS, PAGE
-from tests.engines.vllm.scheduler_setup import STOP, Engine, output, request, scheduled_engine
+from kvshare.runtime.rank_server import RankServer
+from tests.engines.suite import standalone_host_pools
+from tests.engines.vllm.kv_setup import (
+    BLOCK_TOKENS,
+    LAYERS,
+    LEASE_PAGES,
+    PAGE,
+    VIRTUAL,
+    kv_cache_config,
+    model_config,
+)
 from tests.polling import wait_until
 
-PATTERN = 42  # what the finished request's prefill "wrote" into its KV blocks
+STOP = 7  # the finished request's stop token
+PATTERN = 42  # what its prefill "wrote" into its KV blocks
+
+
+@dataclass(repr=False)  # printing the views would read pages that are not mapped
+class Engine:
+    scheduler: Any
+    kv_caches: dict[str, torch.Tensor]
+    rank: RankServer
+
+    @property
+    def pool(self) -> KVPool:
+        queue = vllm_blocks.queue_of(self.scheduler.kv_cache_manager.block_pool)
+        assert queue is not None
+        return queue.pool
 
 
 @pytest.fixture
 def engine(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Engine]:
-    """vLLM's asynchronous scheduler over a worker's KV cache."""
-    with scheduled_engine(monkeypatch, tmp_path, asynchronous=True, prefix_caching=True) as made:
-        yield made
+    """A worker's KV cache and vLLM's asynchronous scheduler, grouped as vLLM groups them."""
+    from vllm.config import CacheConfig, DeviceConfig, VllmConfig
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    from vllm.v1.structured_output import StructuredOutputManager
+    from vllm.v1.worker import gpu_model_runner
+
+    activate("vllm")
+    standalone_host_pools(
+        monkeypatch, tmp_path, page_size=PAGE, lease=LEASE_PAGES * len(LAYERS) * PAGE
+    )
+    kv_config, layout = kv_cache_config(VIRTUAL)
+    config = VllmConfig(
+        model_config=model_config(tmp_path),
+        device_config=DeviceConfig(device="cpu"),
+        cache_config=CacheConfig(block_size=BLOCK_TOKENS, enable_prefix_caching=True),
+    )
+    # Unique across processes: the group names the rank's socket in the abstract namespace,
+    # which the engine suites of every vLLM line, run at once, share (vLLM's own instance
+    # ids are random for the same reason).
+    config.instance_id = f"fence-{uuid.uuid4().hex[:16]}"
+    config.cache_config.kv_cache_layout = "LBHNC"  # as kv_cache_config lays it out
+    config.scheduler_config.async_scheduling = True
+    config.cache_config.num_gpu_blocks = kv_config.num_blocks  # as EngineCore sets it
+    with vllm_common.worker_context(vllm_common.group_of(config), 0):
+        kv_caches = gpu_model_runner.allocate_kv_cache(kv_config, torch.device("cpu"), layout, None)
+    scheduler = AsyncScheduler(
+        vllm_config=config,
+        kv_cache_config=kv_config,
+        structured_output_manager=StructuredOutputManager(config),
+        block_size=BLOCK_TOKENS,
+    )
+    rank = next(item for item in pools._opened if isinstance(item, RankServer))
+    try:
+        yield Engine(scheduler, kv_caches, rank)
+    finally:
+        pools.forget_pools()
 
 
-def prompt_of(request_id: str, blocks: int) -> Any:
+def request(request_id: str, blocks: int) -> Any:
     """A request whose prompt leaves room in its last block (decoding takes no new block)."""
-    return request(request_id, blocks * BLOCK_TOKENS - 4)
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    init_none_hash(sha256)
+    return Request(
+        request_id=request_id,
+        prompt_token_ids=[
+            (ord(request_id) * 97 + i) % 4000 for i in range(blocks * BLOCK_TOKENS - 4)
+        ],
+        sampling_params=SamplingParams(max_tokens=8, stop_token_ids=[STOP]),
+        pooling_params=None,
+        block_hasher=get_request_block_hasher(BLOCK_TOKENS, sha256),
+    )
+
+
+def output(tokens: dict[str, int]) -> Any:
+    """A step's model output: one sampled token per request."""
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    ids = list(tokens)
+    return ModelRunnerOutput(
+        req_ids=ids,
+        req_id_to_index={rid: i for i, rid in enumerate(ids)},
+        sampled_token_ids=[[tokens[rid]] for rid in ids],
+    )
 
 
 class Attention:
@@ -69,8 +154,8 @@ def test_a_page_freed_under_steps_in_flight_waits_for_their_output_and_for_the_d
     engine: Engine,
 ) -> None:
     scheduler, pool, rank = engine.scheduler, engine.pool, engine.rank
-    scheduler.add_request(prompt_of("b", 7))  # fills page 0 around the null block
-    scheduler.add_request(prompt_of("a", 3))  # on page 1: the request that finishes
+    scheduler.add_request(request("b", 7))  # fills page 0 around the null block
+    scheduler.add_request(request("a", 3))  # on page 1: the request that finishes
     step1 = scheduler.schedule()
     a_blocks = scheduler.kv_cache_manager.get_block_ids("a")[0]
     page = pool.geometry.page_of(a_blocks[-1])
