@@ -84,8 +84,8 @@ def test_a_request_without_blocks_waits_and_the_queue_stays_first_in_first_out(
 def test_after_each_step_the_pool_hears_how_many_requests_run_into_the_next(
     pools: list[KVPool], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """As vLLM's hooked scheduler tells it: a pool shrinking to a lowered lease keeps
-    empty pages for that many running requests' next blocks."""
+    """A pool shrinking to a lowered lease keeps empty pages for that many running
+    requests' next blocks."""
     sim = engine(pools, 16, [req(0, 32, 2), req(1, 32, 4)])
     told: list[int] = []
     monkeypatch.setattr(pools[-1], "set_running_requests", told.append)

@@ -479,6 +479,18 @@ def test_while_over_its_lease_the_pool_grows_running_requests_from_its_empty_pag
     assert snap.held <= snap.limit == 4 * page_bytes
 
 
+def two_full_pages_of_eight_blocks(make_pool: PoolFactory) -> tuple[KVPool, MovableLease, int]:
+    """A pool of eight-block pages, its lease four pages, whose pages 0 (around the null
+    block) and 1 are full; with its lease and its page size."""
+    eight_block_pages = KVGeometry(
+        num_buffers=4, block_bytes=PAGE // 8, num_blocks=64, page_size=PAGE
+    )
+    lease = MovableLease(4 * eight_block_pages.page_bytes)
+    pool = make_pool(eight_block_pages, lease=lease, reserve_pages=0)
+    assert pool.alloc(7) and pool.alloc(8)
+    return pool, lease, eight_block_pages.page_bytes
+
+
 def test_a_pool_over_its_lease_counts_only_the_blocks_it_will_hand_out(
     make_pool: PoolFactory,
 ) -> None:
@@ -486,13 +498,7 @@ def test_a_pool_over_its_lease_counts_only_the_blocks_it_will_hand_out(
     the pool is still over its lease, so that page is retired again at the next
     allocation. An engine counts free blocks and then takes them (vLLM cannot fail in
     between): the count already leaves out the retired page's blocks."""
-    eight_block_pages = KVGeometry(
-        num_buffers=4, block_bytes=PAGE // 8, num_blocks=64, page_size=PAGE
-    )
-    page_bytes = eight_block_pages.page_bytes
-    lease = MovableLease(4 * page_bytes)
-    pool = make_pool(eight_block_pages, lease=lease, reserve_pages=0)
-    assert pool.alloc(7) and pool.alloc(8)  # pages 0 (around the null block) and 1, full
+    pool, lease, page_bytes = two_full_pages_of_eight_blocks(make_pool)
     finishing = pool.alloc(8)  # page 2
     assert finishing
     lease.set_limit(2 * page_bytes)
@@ -511,13 +517,7 @@ def test_while_over_its_lease_running_requests_grow_into_the_free_blocks_of_reti
     """A retired page half emptied by a finished request takes no new request, but a
     running request's next blocks: they are mapped memory the pool cannot give back
     before the page's other request finishes anyway."""
-    eight_block_pages = KVGeometry(
-        num_buffers=4, block_bytes=PAGE // 8, num_blocks=64, page_size=PAGE
-    )
-    page_bytes = eight_block_pages.page_bytes
-    lease = MovableLease(4 * page_bytes)
-    pool = make_pool(eight_block_pages, lease=lease, reserve_pages=0)
-    assert pool.alloc(7) and pool.alloc(8)  # pages 0 (around the null block) and 1, full
+    pool, lease, page_bytes = two_full_pages_of_eight_blocks(make_pool)
     finishing, staying = pool.alloc(4), pool.alloc(4)  # page 2, full
     assert finishing and staying
     lease.set_limit(2 * page_bytes)

@@ -411,8 +411,6 @@ class KVPool:
             if self._error is not None:
                 raise self._error
             self._allocs += 1
-            if self._planned_for != self._limit_pages:
-                self._plan_retiring()
             if n <= self._mapped_free(running):
                 return self._take(n, running)
         return self._alloc_growing(n, running)
@@ -420,8 +418,12 @@ class KVPool:
     def _mapped_free(self, running: bool) -> int:
         """Free blocks an allocation may take without mapping a page: those of partial
         pages; of ready pages unless the pool is over its lease and the blocks are not for
-        running requests; and for running requests those of retired pages. ``_lock``
-        held."""
+        running requests; and for running requests those of retired pages. The retired
+        pages are first brought up to date with the lease, so that what is counted here is
+        what :meth:`_take` hands out (an engine that counts free blocks and then takes them
+        cannot fail in between). ``_lock`` held."""
+        if self._planned_for != self._limit_pages:
+            self._plan_retiring()
         if running:
             return self._free_partial + self._retired_free + self._ready_blocks
         if self._held_pages <= self._limit_pages:
@@ -621,10 +623,6 @@ class KVPool:
             self._running_requests = count
 
     def _available(self, running: bool = False) -> int:
-        if self._planned_for != self._limit_pages:
-            # As alloc would: the count must not include blocks of pages it will retire
-            # (an engine that counts free blocks and then takes them cannot fail between).
-            self._plan_retiring()
         free = self._mapped_free(running)
         if self._held_pages > self._limit_pages:
             return free
@@ -640,10 +638,8 @@ class KVPool:
             with self._lock:
                 if self._error is not None:
                     raise self._error
-                if self._planned_for != self._limit_pages:
-                    self._plan_retiring()
-                over = self._held_pages > self._limit_pages
                 free = self._mapped_free(running)
+                over = self._held_pages > self._limit_pages
                 if n <= free:
                     return self._take(n, running)
                 pages, refusal = self._pick_pages_for(n - free, over)
