@@ -20,6 +20,13 @@ served in whole pages of the demo's size, instantly and with no policy
 (:func:`kvshare.demo.bound.paged_sharing`). Its gain share is what pages alone leave of the
 shared bound, the reference for how much of the remaining gap a policy could close.
 
+How far one trace's figures can be trusted: the candidate policy runs every trace again
+with the messages between pools and broker 10 % faster and 10 % slower
+(``LATENCY_FACTORS``), a change that decides nothing about the policy. ``gain_swing``
+is how far apart one trace's gain shares land across the three runs (the largest and the
+median over the traces), ``worst_swing`` the same for its worst-model ratio. A trace's
+figure that differs from another run's by less than the swing tells nothing.
+
 The default trace's ratio (elastic / static served, least over its seeds) is given twice:
 on the calibrated engines, beside the ratio the shared bound itself reaches there
 (``default_bound_ratio``), and on engines whose every step takes its fixed time
@@ -49,6 +56,8 @@ SEEDS = 6
 #: kvCache.min of the second pass, as a fraction of an equal share.
 KV_MIN_SHARE = 0.25
 WORKERS = 2
+#: The message latencies the candidate policy runs again at, against the simulation's.
+LATENCY_FACTORS = (0.9, 1.1)
 
 
 def _label(policy: str, kv_min_share: float) -> str:
@@ -71,6 +80,24 @@ def _one_trace(family: str, seed: int) -> list[tuple[str, str, SimResult]]:
     ]
 
 
+def _latency_swing(family: str, seed: int, result: SimResult) -> tuple[float, float]:
+    """How far the candidate policy's gain share and worst-model ratio on one trace move
+    when the messages take :data:`LATENCY_FACTORS` times as long (``result``: at the
+    simulation's own latency)."""
+    made = suite.make(family, seed)
+    runs = [result] + [
+        simulate(
+            made,
+            SimOptions(policy=DEFAULT_POLICY, latency_s=SimOptions.latency_s * factor),
+            result.bound,
+        )
+        for factor in LATENCY_FACTORS
+    ]
+    gains = [r.gain_share for r in runs]
+    worst = [r.worst_model()[1] for r in runs]
+    return max(gains) - min(gains), max(worst) - min(worst)
+
+
 def _default_on_fixed_steps(seed: int) -> SimResult:
     """The candidate policy on the default trace, on engines with fixed-time steps."""
     made = suite.make("default", seed, suite.SETUP.with_fixed_steps())
@@ -87,6 +114,8 @@ def measure(seeds: int, families: tuple[str, ...]) -> Result:
     with ProcessPoolExecutor(WORKERS) as pool:
         runs = [run for runs in pool.map(_one_trace, *zip(*jobs, strict=True)) for run in runs]
         fixed_steps = list(pool.map(_default_on_fixed_steps, range(seeds)))
+        candidate = [r for _, label, r in runs if label == DEFAULT_POLICY]
+        swings = list(pool.map(_latency_swing, *zip(*jobs, strict=True), candidate))
     fields: dict[str, float | int | str] = {"traces": len(jobs)}
     for label, numbers in summarise([(label, result) for _, label, result in runs]).items():
         for key, value in numbers.items():
@@ -95,6 +124,9 @@ def measure(seeds: int, families: tuple[str, ...]) -> Result:
     for family in families:
         gains = [r.gain_share for f, label, r in runs if f == family and label == DEFAULT_POLICY]
         fields[f"gain_mean.{family}.{DEFAULT_POLICY}"] = round(statistics.fmean(gains), 3)
+    for name, spreads in zip(("gain_swing", "worst_swing"), zip(*swings, strict=True), strict=True):
+        fields[f"{name}_max.{DEFAULT_POLICY}"] = round(max(spreads), 3)
+        fields[f"{name}_median.{DEFAULT_POLICY}"] = round(statistics.median(spreads), 3)
     default = [r for f, label, r in runs if f == "default" and label == DEFAULT_POLICY]
     fields[f"default_ratio.{DEFAULT_POLICY}"] = round(min(map(_ratio, default)), 3)
     fields["default_bound_ratio"] = round(min(r.bound.ratio for r in default), 3)
@@ -116,6 +148,8 @@ def measure(seeds: int, families: tuple[str, ...]) -> Result:
             "numbers do not depend on the machine. below_0.9: traces that left a model below "
             "0.9 of min(static, shared bound). instant-pages: first-come sharing in whole "
             "pages of the demo's size, instantly, with no policy (what pages alone allow). "
+            f"gain_swing, worst_swing: how far one trace's figure moves when the messages take "
+            f"{' or '.join(f'{f:g}' for f in LATENCY_FACTORS)} times as long (--latency). "
             "Every trace: python -m kvshare.demo.elastic_sim --policy entitlement --policy "
             f"fair-share --seeds {seeds} --paged-bound [--kv-min-share {KV_MIN_SHARE:g}] "
             "[--fixed-steps]."

@@ -47,5 +47,10 @@ def test_the_quick_run_gives_each_family_the_figures_the_simulation_gives() -> N
     for label in ("entitlement", "fair-share", "entitlement@min", "fair-share@min"):
         assert fields[f"gain_min.{label}"] <= fields[f"gain_median.{label}"]
         assert 0 <= fields[f"below_0.9.{label}"] <= fields["traces"]
+    slower = simulate(made, SimOptions(latency_s=1.1 * SimOptions.latency_s), direct.bound)
+    faster = simulate(made, SimOptions(latency_s=0.9 * SimOptions.latency_s), direct.bound)
+    gains = [r.gain_share for r in (direct, slower, faster)]
+    assert fields["gain_swing_max.entitlement"] >= round(max(gains) - min(gains), 3)
+    assert 0 <= fields["worst_swing_median.entitlement"] <= fields["worst_swing_max.entitlement"]
     family_means = [fields[f"gain_mean.{f.name}.entitlement"] for f in suite.FAMILIES]
     assert fields["gain_min.entitlement"] == min(family_means)  # one trace per family

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
+from collections.abc import Sequence
 
 import pytest
 
@@ -15,8 +17,10 @@ from kvshare.demo.elastic_sim import (
     main,
     simulate,
 )
+from kvshare.demo.engine_sim import EngineSim
 from kvshare.demo.trace import TraceConfig
 from kvshare.deviceplugin.policy import DEFAULT_POLICY
+from kvshare.runtime.pool import KVPool
 
 SMALL = TraceConfig(duration_s=24, models=3, gpu_memory_bytes=3 * 2**30, seed=2)
 
@@ -43,6 +47,30 @@ def test_with_every_model_guaranteed_its_equal_share_nobody_can_borrow() -> None
     static = sum(partitions.bound.partitioned)
     assert abs(sum(partitions.served) - static) <= 0.05 * static
     assert sum(simulate(made, SimOptions(kv_min_share=0.25)).served) > 1.05 * static
+
+
+@pytest.mark.parametrize("reserve_pages", [0, 2])
+def test_every_pool_keeps_the_reserve_the_options_say(reserve_pages: int) -> None:
+    reserved_pages: list[int] = []
+
+    class Reserves:
+        interval_s = 0.5
+
+        def __call__(self, pools: Sequence[KVPool], engines: Sequence[EngineSim]) -> None:
+            reserved_pages.extend(p.snapshot().ready // p.geometry.page_bytes for p in pools)
+
+    simulate(trace.generate(SMALL), SimOptions(reserve_pages=reserve_pages), watch=Reserves())
+    # Pages a finished request emptied stay ready until the next maintenance pass trims
+    # them: most of the time each pool holds its reserve.
+    assert Counter(reserved_pages).most_common(1)[0][0] == reserve_pages
+
+
+def test_the_headroom_share_is_the_entitlement_policys_setting_only() -> None:
+    assert SimOptions(headroom_share=0.3).broker_policy().headroom_share == 0.3  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match="entitlement"):
+        SimOptions(policy="fair-share", headroom_share=0.3).broker_policy()
+    with pytest.raises(SystemExit):
+        main(["--policy", "fair-share", "--headroom-share", "0.2"])
 
 
 def test_the_command_runs_more_seeds_than_the_suite_and_sums_them_up_per_policy(
@@ -75,6 +103,22 @@ def test_fixed_steps_run_the_suite_on_engines_whose_steps_cost_the_same_whatever
 def test_a_seed_count_below_one_is_refused() -> None:
     with pytest.raises(SystemExit):
         main(["--seeds", "0"])
+
+
+def test_the_command_runs_seeds_from_a_first_seed_on(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["--family", "default", "--seeds", "2", "--first-seed", "6", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out.splitlines()[-1])["rows"]
+    assert [row["trace"] for row in rows] == ["default-6", "default-7"]
+    bound = sharing_bound(suite.make("default", 7))
+    assert (rows[1]["static"], rows[1]["shared"]) == (sum(bound.partitioned), sum(bound.shared))
+
+
+@pytest.mark.parametrize("argv", [["--first-seed", "3"], ["--seeds", "2", "--first-seed", "-1"]])
+def test_a_first_seed_without_a_count_or_below_zero_is_refused(argv: list[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(argv)
 
 
 def test_the_paged_bound_reports_first_come_page_sharing_beside_the_policy(

@@ -50,12 +50,18 @@ from kvshare.demo.sim_diagnosis import Diagnosis
 from kvshare.demo.stats import percentile
 from kvshare.deviceplugin.books import Books, Send
 from kvshare.deviceplugin.inventory import GpuInfo
-from kvshare.deviceplugin.policy import DEFAULT_POLICY, POLICIES, policy_named
+from kvshare.deviceplugin.policy import (
+    DEFAULT_POLICY,
+    POLICIES,
+    Entitlement,
+    Policy,
+    policy_named,
+)
 from kvshare.runtime.broker_client import DEFAULT_SLOW_START_WINDOW_S
 from kvshare.runtime.geometry import KVGeometry
 from kvshare.runtime.lease import LeaseHolder, LeaseSource, PoolUsage
 from kvshare.runtime.lease_conversation import IDLE_S, LeaseConversation
-from kvshare.runtime.pool import KVPool
+from kvshare.runtime.pool import DEFAULT_RESERVE_PAGES, KVPool
 
 __all__ = [
     "PAGED_REFERENCE",
@@ -94,6 +100,20 @@ class SimOptions:
     reclaim_deadline_s: float = 10.0
     #: Blocks per physical page of every pool (None: the demo server's pages).
     page_blocks: int | None = None
+    #: Ready pages every pool keeps mapped ahead of its engine (the demo server's: the
+    #: pool's default).
+    reserve_pages: int = DEFAULT_RESERVE_PAGES
+    #: The entitlement policy's headroom, as a share of an entitlement (None: its
+    #: default); only for that policy.
+    headroom_share: float | None = None
+
+    def broker_policy(self) -> Policy:
+        """A fresh instance of the policy these options name, with their settings."""
+        if self.headroom_share is None:
+            return policy_named(self.policy)
+        if self.policy != Entitlement.name:
+            raise ValueError(f"a headroom share is a setting of {Entitlement.name!r} only")
+        return Entitlement(headroom_share=self.headroom_share)
 
 
 @dataclass(frozen=True)
@@ -247,7 +267,7 @@ class _Node:
             [gpu],
             headroom=0,
             reclaim_deadline_s=options.reclaim_deadline_s,
-            policy=policy_named(options.policy),
+            policy=options.broker_policy(),
         )
         self.leases: dict[int, _SimLease] = {}
         self.pools: list[KVPool] = []
@@ -279,6 +299,7 @@ class _Node:
                 lease,
                 background=False,
                 lease_chunk_bytes=chunk,
+                reserve_pages=options.reserve_pages,
                 report_interval_s=POOL_REPORT_INTERVAL_S,
                 clock=self.clock.wall,
             )
@@ -463,8 +484,7 @@ def summarise(results: Sequence[tuple[str, SimResult]]) -> dict[str, dict[str, f
     return summary
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``python -m kvshare.demo.elastic_sim``: the suite (or some of it) in simulated time."""
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("--policy", action="append", choices=sorted(POLICIES))
     parser.add_argument("--family", action="append", help="only these families")
@@ -473,6 +493,12 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         help="seeds 0..N-1 of every family instead of the suite's own (more traffic than "
         "the real suite runs)",
+    )
+    parser.add_argument(
+        "--first-seed",
+        type=int,
+        default=0,
+        help="with --seeds: start at this seed instead of 0 (seeds a policy was not tuned on)",
     )
     parser.add_argument("--kv-min-share", type=float, default=0.0)
     parser.add_argument(
@@ -493,6 +519,17 @@ def main(argv: list[str] | None = None) -> int:
         help=f"also run first-come sharing in whole pages, instantly and with no policy "
         f"({PAGED_REFERENCE}): what pages alone allow of the shared bound",
     )
+    parser.add_argument(
+        "--reserve-pages",
+        type=int,
+        default=SimOptions.reserve_pages,
+        help="ready pages every pool keeps mapped ahead of its engine",
+    )
+    parser.add_argument(
+        "--headroom-share",
+        type=float,
+        help="the entitlement policy's headroom, as a share of an entitlement",
+    )
     parser.add_argument("--latency", type=float, default=SimOptions.latency_s)
     parser.add_argument("--speed", type=float, default=SimOptions.speed)
     parser.add_argument(
@@ -501,15 +538,36 @@ def main(argv: list[str] | None = None) -> int:
         help="also say where the memory was while a model was starved (sim_diagnosis)",
     )
     parser.add_argument("--json", action="store_true")
+    return parser
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    """The command's arguments, each checked (argparse exits on a bad one)."""
+    parser = _parser()
     args = parser.parse_args(argv)
     if args.seeds is not None and args.seeds < 1:
         parser.error(f"--seeds must be >= 1, not {args.seeds}")
     if args.page_blocks is not None and args.page_blocks < 1:
         parser.error(f"--page-blocks must be >= 1, not {args.page_blocks}")
+    if args.reserve_pages < 0:
+        parser.error(f"--reserve-pages must be >= 0, not {args.reserve_pages}")
+    if args.headroom_share is not None and not 0 <= args.headroom_share <= 1:
+        parser.error(f"--headroom-share must be within 0-1, not {args.headroom_share}")
+    if args.headroom_share is not None and (args.policy or [DEFAULT_POLICY]) != [Entitlement.name]:
+        parser.error(f"--headroom-share is a setting of --policy {Entitlement.name} only")
+    if args.first_seed < 0 or (args.first_seed and args.seeds is None):
+        parser.error(f"--first-seed must be >= 0 and comes with --seeds, not {args.first_seed}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m kvshare.demo.elastic_sim``: the suite (or some of it) in simulated time."""
+    args = _parse(argv)
     rows = []
     results: list[tuple[str, SimResult]] = []
     setup = suite_mod.SETUP.with_fixed_steps() if args.fixed_steps else suite_mod.SETUP
-    for made in suite_mod.suite(setup, seeds=args.seeds):
+    seeds = None if args.seeds is None else range(args.first_seed, args.first_seed + args.seeds)
+    for made in suite_mod.suite(setup, seeds=seeds):
         if args.family and made.family not in args.family:
             continue
         bound = sharing_bound(made.trace)
@@ -529,6 +587,8 @@ def main(argv: list[str] | None = None) -> int:
                 latency_s=args.latency,
                 speed=args.speed,
                 page_blocks=args.page_blocks,
+                reserve_pages=args.reserve_pages,
+                headroom_share=args.headroom_share,
             )
             config = made.trace.config
             diagnosis = (

@@ -289,15 +289,16 @@ def make(family: str, seed: int, base: TraceConfig | None = None) -> Trace:
     )
 
 
-def suite(base: TraceConfig | None = None, seeds: int | None = None) -> list[SuiteTrace]:
+def suite(base: TraceConfig | None = None, seeds: range | None = None) -> list[SuiteTrace]:
     """Every trace of the suite (``base``: the serving setup, default :data:`SETUP`).
 
-    ``seeds``: seeds ``0 .. seeds - 1`` of every family instead of the suite's own, for
-    measuring a policy on more traffic than the suite runs with real processes.
+    ``seeds``: these seeds of every family instead of the suite's own, for measuring a
+    policy on more traffic than the suite runs with real processes, or on seeds it was
+    not tuned on.
     """
     setup = base or SETUP
     return [
         SuiteTrace(f.name, seed, f.make(seed, setup))
         for f in FAMILIES
-        for seed in (f.seeds if seeds is None else range(seeds))
+        for seed in (f.seeds if seeds is None else seeds)
     ]

@@ -54,6 +54,14 @@ what is taken back, and from whom, follows from what comes back fast and what do
   below 0.9 of its due (measured before a shrinking pool let running requests grow into
   its emptied and retired pages; with that, 1 s gives 0.62 and 2 such traces).
 
+- Headroom (a tenth of an entitlement) and the pools' reserve of ready pages (4 by
+  default) both keep idle memory with a pool for its next requests. Swept together in
+  simulated time (``python -m kvshare.demo.elastic_sim --seeds 6 --reserve-pages R
+  --headroom-share H``, R in 1, 2, 4 and H in 0.1, 0.15, 0.2, 0.3), no setting did better
+  than 4 and 0.1 on both counts: more of the gain (up to 0.67 on average with a reserve
+  of 2) always came with more traces leaving a tenant below 0.9 of its due (4 to 8,
+  against 2), and more headroom lost gain without bringing that count down to 2.
+
 Measured against :class:`FairShare` on the trace suite (``bench/run.py elastic-suite``,
 ``python -m kvshare.demo.elastic_sim``), it gains more of what sharing allows and keeps
 quiet tenants near their static service; the numbers are in BENCHMARKS.md.
