@@ -71,6 +71,10 @@ def test_the_headroom_share_is_the_entitlement_policys_setting_only() -> None:
         SimOptions(policy="fair-share", headroom_share=0.3).broker_policy()
     with pytest.raises(SystemExit):
         main(["--policy", "fair-share", "--headroom-share", "0.2"])
+    with pytest.raises(ValueError, match="0-1"):
+        SimOptions(headroom_share=1.5).broker_policy()
+    with pytest.raises(SystemExit):
+        main(["--headroom-share", "-0.1"])
 
 
 def test_the_command_runs_more_seeds_than_the_suite_and_sums_them_up_per_policy(

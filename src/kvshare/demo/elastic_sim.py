@@ -551,10 +551,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--page-blocks must be >= 1, not {args.page_blocks}")
     if args.reserve_pages < 0:
         parser.error(f"--reserve-pages must be >= 0, not {args.reserve_pages}")
-    if args.headroom_share is not None and not 0 <= args.headroom_share <= 1:
-        parser.error(f"--headroom-share must be within 0-1, not {args.headroom_share}")
-    if args.headroom_share is not None and (args.policy or [DEFAULT_POLICY]) != [Entitlement.name]:
-        parser.error(f"--headroom-share is a setting of --policy {Entitlement.name} only")
+    for name in args.policy or [DEFAULT_POLICY]:
+        try:  # a setting the policy refuses is refused before any trace runs
+            SimOptions(policy=name, headroom_share=args.headroom_share).broker_policy()
+        except ValueError as refused:
+            parser.error(f"--headroom-share {args.headroom_share}: {refused}")
     if args.first_seed < 0 or (args.first_seed and args.seeds is None):
         parser.error(f"--first-seed must be >= 0 and comes with --seeds, not {args.first_seed}")
     return args

@@ -337,6 +337,8 @@ class Entitlement:
     name = "entitlement"
 
     def __init__(self, *, fresh_s: float = 1.0, headroom_share: float = 0.1) -> None:
+        if not 0 <= headroom_share <= 1:
+            raise ValueError(f"headroom share must be within 0-1, not {headroom_share}")
         self.fresh_s = fresh_s
         self.headroom_share = headroom_share
 
