@@ -150,3 +150,21 @@ def test_pools_can_run_with_pages_of_a_given_number_of_blocks() -> None:
     assert sum(one_block.served) > 0
     with pytest.raises(SystemExit):
         main(["--page-blocks", "0"])
+
+
+def test_the_reclaim_deadline_is_the_commands_setting_in_wall_seconds(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    argv = ["--family", "default", "--seeds", "1"]
+    with caplog.at_level("WARNING", logger="kvshare.deviceplugin.books"):
+        assert main(argv) == 0
+        assert "missed its reclaim deadline" not in caplog.text
+        # A deadline no pool can meet: every reclaim of memory in use misses it.
+        assert main([*argv, "--reclaim-deadline", "0.0001"]) == 0
+    assert "missed its reclaim deadline" in caplog.text
+
+
+@pytest.mark.parametrize("argv", [["--reclaim-deadline", "0"], ["--speed", "0"]])
+def test_a_deadline_or_speed_that_is_not_positive_is_refused(argv: list[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(argv)

@@ -531,7 +531,19 @@ def _parser() -> argparse.ArgumentParser:
         help="the entitlement policy's headroom, as a share of an entitlement",
     )
     parser.add_argument("--latency", type=float, default=SimOptions.latency_s)
-    parser.add_argument("--speed", type=float, default=SimOptions.speed)
+    parser.add_argument(
+        "--speed",
+        type=float,
+        default=SimOptions.speed,
+        help="trace seconds per wall second: every kvshare delay is wall time, the reclaim "
+        "deadline too, so a lower speed gives pools less trace time to honour a reclaim",
+    )
+    parser.add_argument(
+        "--reclaim-deadline",
+        type=float,
+        default=SimOptions.reclaim_deadline_s,
+        help="wall seconds a pool has to honour a reclaim (the node agent's setting)",
+    )
     parser.add_argument(
         "--diagnose",
         action="store_true",
@@ -549,6 +561,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--seeds must be >= 1, not {args.seeds}")
     if args.page_blocks is not None and args.page_blocks < 1:
         parser.error(f"--page-blocks must be >= 1, not {args.page_blocks}")
+    if not args.speed > 0:
+        parser.error(f"--speed must be > 0, not {args.speed}")
+    if not args.reclaim_deadline > 0:
+        parser.error(f"--reclaim-deadline must be > 0, not {args.reclaim_deadline}")
     if args.reserve_pages < 0:
         parser.error(f"--reserve-pages must be >= 0, not {args.reserve_pages}")
     for name in args.policy or [DEFAULT_POLICY]:
@@ -587,6 +603,7 @@ def main(argv: list[str] | None = None) -> int:
                 kv_min_share=args.kv_min_share,
                 latency_s=args.latency,
                 speed=args.speed,
+                reclaim_deadline_s=args.reclaim_deadline,
                 page_blocks=args.page_blocks,
                 reserve_pages=args.reserve_pages,
                 headroom_share=args.headroom_share,
