@@ -168,3 +168,11 @@ def test_the_reclaim_deadline_is_the_commands_setting_in_wall_seconds(
 def test_a_deadline_or_speed_that_is_not_positive_is_refused(argv: list[str]) -> None:
     with pytest.raises(SystemExit):
         main(argv)
+
+
+@pytest.mark.parametrize("settings", [{"speed": 0.0}, {"reclaim_deadline_s": -1.0}])
+def test_options_with_a_speed_or_deadline_that_is_not_positive_are_refused(
+    settings: dict[str, float],
+) -> None:
+    with pytest.raises(ValueError, match="must be > 0"):
+        SimOptions(**settings)

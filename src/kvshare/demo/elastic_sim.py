@@ -107,6 +107,15 @@ class SimOptions:
     #: default); only for that policy.
     headroom_share: float | None = None
 
+    def __post_init__(self) -> None:
+        # The clock divides by the speed, and a deadline of no time fails every reclaim.
+        if not self.speed > 0:
+            raise ValueError(
+                f"the speed must be > 0 trace seconds per wall second, not {self.speed}"
+            )
+        if not self.reclaim_deadline_s > 0:
+            raise ValueError(f"the reclaim deadline must be > 0 s, not {self.reclaim_deadline_s}")
+
     def broker_policy(self) -> Policy:
         """A fresh instance of the policy these options name, with their settings."""
         if self.headroom_share is None:
@@ -561,10 +570,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--seeds must be >= 1, not {args.seeds}")
     if args.page_blocks is not None and args.page_blocks < 1:
         parser.error(f"--page-blocks must be >= 1, not {args.page_blocks}")
-    if not args.speed > 0:
-        parser.error(f"--speed must be > 0, not {args.speed}")
-    if not args.reclaim_deadline > 0:
-        parser.error(f"--reclaim-deadline must be > 0, not {args.reclaim_deadline}")
+    try:  # the settings the simulator refuses are refused before any trace runs
+        SimOptions(speed=args.speed, reclaim_deadline_s=args.reclaim_deadline)
+    except ValueError as refused:
+        parser.error(str(refused))
     if args.reserve_pages < 0:
         parser.error(f"--reserve-pages must be >= 0, not {args.reserve_pages}")
     for name in args.policy or [DEFAULT_POLICY]:
