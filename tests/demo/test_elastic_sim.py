@@ -174,5 +174,51 @@ def test_a_deadline_or_speed_that_is_not_positive_is_refused(argv: list[str]) ->
 def test_options_with_a_speed_or_deadline_that_is_not_positive_are_refused(
     settings: dict[str, float],
 ) -> None:
-    with pytest.raises(ValueError, match="must be > 0"):
+    with pytest.raises(ValueError, match="must be finite and > 0"):
         SimOptions(**settings)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--latency", "-1"],
+        ["--latency", "nan"],
+        ["--speed", "inf"],
+        ["--kv-min-share", "2"],
+        ["--kv-min-share", "-0.5"],
+        ["--reserve-pages", "-1"],
+    ],
+)
+def test_a_setting_that_would_run_a_meaningless_world_is_refused_before_any_trace(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Before, a NaN latency or an infinite speed stalled the clock and reported a world
+    # that served nothing, and a kvCache.min share outside [0, 1] crashed mid-run.
+    with pytest.raises(SystemExit):
+        main(["--family", "default", "--seeds", "1", *argv])
+    captured = capsys.readouterr()
+    assert "default-0" not in captured.out
+    assert "error:" in captured.err
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"latency_s": float("nan")},
+        {"latency_s": -0.001},
+        {"speed": float("inf")},
+        {"kv_min_share": 1.5},
+        {"page_blocks": 0},
+        {"reserve_pages": -2},
+    ],
+)
+def test_options_that_no_simulated_node_could_run_with_are_refused(
+    settings: dict[str, float],
+) -> None:
+    with pytest.raises(ValueError, match="must be"):
+        SimOptions(**settings)  # type: ignore[arg-type]
+
+
+def test_a_zero_latency_and_a_full_minimum_are_settings_a_node_can_have() -> None:
+    made = trace.generate(SMALL)
+    assert sum(simulate(made, SimOptions(latency_s=0.0, kv_min_share=1.0)).served) > 0

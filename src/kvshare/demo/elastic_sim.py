@@ -32,6 +32,7 @@ import functools
 import heapq
 import itertools
 import json
+import math
 import mmap
 import statistics
 import sys
@@ -108,13 +109,26 @@ class SimOptions:
     headroom_share: float | None = None
 
     def __post_init__(self) -> None:
-        # The clock divides by the speed, and a deadline of no time fails every reclaim.
-        if not self.speed > 0:
+        # Every setting is refused here, before a trace runs: a NaN or infinite delay
+        # stalls the clock and serves nothing, which would read as a policy's result.
+        for name, value, positive in (
+            ("speed", self.speed, True),
+            ("reclaim deadline", self.reclaim_deadline_s, True),
+            ("latency", self.latency_s, False),
+        ):
+            if not math.isfinite(value) or value < 0 or (positive and value == 0):
+                bound = "> 0" if positive else ">= 0"
+                raise ValueError(f"the {name} must be finite and {bound}, not {value}")
+        # Above 1 the pools' minimums together exceed the GPU: the broker refuses a pool.
+        if not 0 <= self.kv_min_share <= 1:
             raise ValueError(
-                f"the speed must be > 0 trace seconds per wall second, not {self.speed}"
+                f"the kvCache.min share must be within [0, 1] of an equal share, "
+                f"not {self.kv_min_share}"
             )
-        if not self.reclaim_deadline_s > 0:
-            raise ValueError(f"the reclaim deadline must be > 0 s, not {self.reclaim_deadline_s}")
+        if self.page_blocks is not None and self.page_blocks < 1:
+            raise ValueError(f"the blocks per page must be >= 1, not {self.page_blocks}")
+        if self.reserve_pages < 0:
+            raise ValueError(f"the reserve must be >= 0 pages, not {self.reserve_pages}")
 
     def broker_policy(self) -> Policy:
         """A fresh instance of the policy these options name, with their settings."""
@@ -568,22 +582,28 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.seeds is not None and args.seeds < 1:
         parser.error(f"--seeds must be >= 1, not {args.seeds}")
-    if args.page_blocks is not None and args.page_blocks < 1:
-        parser.error(f"--page-blocks must be >= 1, not {args.page_blocks}")
-    try:  # the settings the simulator refuses are refused before any trace runs
-        SimOptions(speed=args.speed, reclaim_deadline_s=args.reclaim_deadline)
-    except ValueError as refused:
-        parser.error(str(refused))
-    if args.reserve_pages < 0:
-        parser.error(f"--reserve-pages must be >= 0, not {args.reserve_pages}")
     for name in args.policy or [DEFAULT_POLICY]:
-        try:  # a setting the policy refuses is refused before any trace runs
-            SimOptions(policy=name, headroom_share=args.headroom_share).broker_policy()
+        try:  # a setting the simulator or a policy refuses is refused before any trace runs
+            _options(args, name).broker_policy()
         except ValueError as refused:
-            parser.error(f"--headroom-share {args.headroom_share}: {refused}")
+            parser.error(str(refused))
     if args.first_seed < 0 or (args.first_seed and args.seeds is None):
         parser.error(f"--first-seed must be >= 0 and comes with --seeds, not {args.first_seed}")
     return args
+
+
+def _options(args: argparse.Namespace, policy: str) -> SimOptions:
+    """The simulator's options for ``policy`` from the command's settings."""
+    return SimOptions(
+        policy=policy,
+        kv_min_share=args.kv_min_share,
+        latency_s=args.latency,
+        speed=args.speed,
+        reclaim_deadline_s=args.reclaim_deadline,
+        page_blocks=args.page_blocks,
+        reserve_pages=args.reserve_pages,
+        headroom_share=args.headroom_share,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -607,16 +627,7 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
         for name in args.policy or [DEFAULT_POLICY]:
-            options = SimOptions(
-                policy=name,
-                kv_min_share=args.kv_min_share,
-                latency_s=args.latency,
-                speed=args.speed,
-                reclaim_deadline_s=args.reclaim_deadline,
-                page_blocks=args.page_blocks,
-                reserve_pages=args.reserve_pages,
-                headroom_share=args.headroom_share,
-            )
+            options = _options(args, name)
             config = made.trace.config
             diagnosis = (
                 Diagnosis(config.gpu_memory_bytes // config.block_bytes())
