@@ -437,6 +437,36 @@ def test_an_engine_short_of_blocks_makes_the_pool_ask_for_lease_without_an_alloc
     assert lease.wants == [4 * PAGE_BYTES]
 
 
+def test_a_reclaimed_pool_asks_again_for_as_much_only_after_the_retry_interval(
+    make_pool: PoolFactory,
+) -> None:
+    # The hold-off damps a reclaim followed at once by the same ask (see KVPool._want): the
+    # broker took the memory for a pool that is short, and an immediate ask would contend
+    # for it again.
+    now = [100.0]
+    lease = MovableLease(2 * PAGE_BYTES, grant_up_to=4 * PAGE_BYTES)
+    pool = make_pool(
+        GEOMETRY, lease, reserve_pages=0, lease_chunk_bytes=PAGE_BYTES, clock=lambda: now[0]
+    )
+    held = pool.alloc(pool.available())
+    assert held
+    pool.short_of(20)
+    assert lease.wants == [4 * PAGE_BYTES] and lease.limit() == 4 * PAGE_BYTES
+    lease.set_limit(2 * PAGE_BYTES)  # reclaimed before it used the grant
+    pool.maintain()
+    assert pool.snapshot().held == 2 * PAGE_BYTES
+    now[0] += pool_module._WANT_RETRY_S / 2
+    pool.short_of(20)
+    assert lease.wants == [4 * PAGE_BYTES]  # held off
+    pool.short_of(40)
+    assert lease.wants == [4 * PAGE_BYTES, 5 * PAGE_BYTES]  # a larger need is said at once
+    now[0] += pool_module._WANT_RETRY_S * 1.01
+    lease.set_limit(2 * PAGE_BYTES)
+    pool.maintain()
+    pool.short_of(20)
+    assert lease.wants[-1] == 4 * PAGE_BYTES and len(lease.wants) == 3
+
+
 def test_a_blocks_address_is_where_its_tensor_view_keeps_it(make_pool: PoolFactory) -> None:
     pool = make_pool(GEOMETRY, StaticLease(4 * PAGE_BYTES))
     (block,) = pool.alloc(1)  # type: ignore[misc]
