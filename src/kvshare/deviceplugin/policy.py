@@ -85,8 +85,9 @@ what is taken back, and from whom, follows from what comes back fast and what do
   memory is meanwhile (dominant-0, sampled every 0.25 s): the shared bound has 0.95 of
   the GPU's blocks allocated, this policy 0.86 with 0.97 leased. Of the GPU, 6.3 % is
   leased and idle (prefix cache counted as idle) in pools that are short and have
-  requests queued, too few blocks for the first of them, 1.8 % in short pools with no
-  queue, 3.3 % in pools that are not short, and 2.7 % is not leased at all.
+  requests queued (5.4 % where the first of them does not fit in what the pool holds),
+  1.8 % in short pools with no queue, 3.3 % in pools that are not short, and 2.7 % is not
+  leased at all.
 
 Measured against :class:`FairShare` on the trace suite (``bench/run.py elastic-suite``,
 ``python -m kvshare.demo.elastic_sim``), it gains more of what sharing allows and keeps
