@@ -71,10 +71,10 @@ what is taken back, and from whom, follows from what comes back fast and what do
   pools reporting every 0.05 s instead of 0.5 s: +0.01 ± 0.03), nor in the reserve and
   headroom pools keep (reserve 0, headroom 0 and both give 0.61, 0.60 and 0.63), nor in
   prefix caches evicted for others (keeping them: -0.01 ± 0.02), but in where leased
-  memory sits idle (below). Placing a request's
-  blocks together (a running request's next block on its last block's page, a new
-  request's whole pages from empty ones) moved single traces by 0.1-0.3 either way, and
-  the mean by at most 0.013, within the paired standard error of about 0.02.
+  memory sits idle (below). Placing a request's blocks together (a running request's
+  next block on its last block's page, a new request's whole pages from empty ones)
+  moved single traces by 0.1-0.3 either way, and the mean by at most 0.013, within the
+  paired standard error of about 0.02.
 
 - What else was tried, with one-block pages (seeds 0-5, each paired with this policy on
   the same 30 traces, mean difference in gain share ± its standard error):
