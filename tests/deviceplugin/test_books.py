@@ -171,6 +171,28 @@ def test_a_pool_that_leaves_returns_its_lease_to_waiters() -> None:
     books.check()
 
 
+def test_a_pool_that_asks_for_no_more_than_its_lease_stops_waiting() -> None:
+    # Beyond the entitlements, memory that comes free goes to the longest waiting first. A
+    # pool that says it needs no more than it holds is no longer waiting: asking for more
+    # later puts it behind the pools that waited meanwhile, whatever it asked before.
+    books = Books([GPU], headroom=GIB)  # budget 16 - 1 - 4 * 2 static = 7 GiB
+    hog = admit(books, "hog", 10)
+    a = admit(books, "a", 11)
+    b = admit(books, "b", 12)
+    admit(books, "quiet", 13)
+    books.want(hog, 1, 4 * GIB, 0.0)  # 1 GiB set aside for each of the others
+    books.report(hog, Report(mapped=4 * GIB, used=4 * GIB, cached=0, reserved=0), 0.0)
+    books.want(a, 1, 8 * GIB, 1.0)  # the hog's blocks are in use: both wait
+    books.want(b, 1, 8 * GIB, 1.1)
+    assert books.pool(a).lease == books.pool(b).lease == GIB  # type: ignore[union-attr]
+    books.want(a, 2, GIB, 1.2)  # a needs no more than it holds
+    books.want(a, 3, 8 * GIB, 1.3)  # ... and then more again: it waits behind b
+    # The hog leaves: 9 GiB to lend, 3 GiB each entitled, the quiet pool holds 1 GiB.
+    got = leases(books.remove(hog, "exited", 1.4))
+    assert got == {a: 3 * GIB, b: 5 * GIB}
+    books.check()
+
+
 def test_startup_turns_go_one_at_a_time_and_reserve_room() -> None:
     books = Books([GPU], headroom=GIB)
     first = books.turn_request(1, TurnRequest(seq=1, gpu=GPU.uuid, static=4 * GIB), 100, 0.0)

@@ -213,6 +213,10 @@ class Books:
             asked = min(asked, pool.kv_max)
         pool.want = max(asked, pool.floor)
         pool.wanted_at = now
+        if asked <= pool.lease:
+            # It needs no more than it holds: no longer waiting, so an ask for more later
+            # queues behind the pools that waited meanwhile.
+            pool.waiting_since = None
         target = gpu.cap(pool)
         reason: str | None = None
         if pool.reclaim is not None:
