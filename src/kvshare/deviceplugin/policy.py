@@ -62,35 +62,9 @@ what is taken back, and from whom, follows from what comes back fast and what do
   of 2) always came with more traces leaving a tenant below 0.9 of its due (4 to 8,
   against 2), and more headroom lost gain without bringing that count down to 2.
 
-- Where the rest of the gain goes (same 30 traces, ``--paged-bound``, with and without
-  ``--page-blocks 1``): first-come sharing in whole pages, instantly and with no policy,
-  captures 0.64 of it on average with the demo's pages of 8 blocks (17 traces leave a
-  tenant below 0.9), and 0.97 with pages of one block. This policy captures 0.62 and
-  0.64: with the demo's pages it is at what pages allow. With one-block pages the gap is
-  not in how fast memory moves (messages with no latency: -0.02 ± 0.02 against 1 ms;
-  pools reporting every 0.05 s instead of 0.5 s: +0.01 ± 0.03), nor in the reserve and
-  headroom pools keep (reserve 0, headroom 0 and both give 0.61, 0.60 and 0.63), nor in
-  prefix caches evicted for others (keeping them: -0.01 ± 0.02), but in where leased
-  memory sits idle (below). Placing a request's blocks together (a running request's
-  next block on its last block's page, a new request's whole pages from empty ones)
-  moved single traces by 0.1-0.3 either way, and the mean by at most 0.013, within the
-  paired standard error of about 0.02.
-
-- What else was tried, with one-block pages (seeds 0-5, each paired with this policy on
-  the same 30 traces, mean difference in gain share ± its standard error):
-  entitlements of 0.75 or 0.5 of an equal share, so that borrowers keep more: -0.04 ±
-  0.04 and -0.08 ± 0.05, with 8 and 15 traces leaving a tenant below 0.9 (against 3);
-  handing the idle lease of short pools whose next request does not fit in it to the
-  first short pool whose whole ask it completes (the one pot of the shared bound): -0.03
-  ± 0.02; cutting every lease to what its pool uses while any pool is short and growing
-  the longest waiter first (first come at the lease level): -0.39 ± 0.09, with 20 such
-  traces; asks lapsing after 0.6 or 0.75 s: -0.01 ± 0.02 and +0.02 ± 0.03. Where the
-  memory is meanwhile (dominant-0, sampled every 0.25 s): the shared bound has 0.95 of
-  the GPU's blocks allocated, this policy 0.86 with 0.97 leased. Of the GPU, 6.3 % is
-  leased and idle (prefix cache counted as idle) in pools that are short and have
-  requests queued (5.4 % where the first of them does not fit in what the pool holds),
-  1.8 % in short pools with no queue, 3.3 % in pools that are not short, and 2.7 % is not
-  leased at all.
+- Where the rest of the gain goes (pages, and with one-block pages fragments of idle
+  lease in every short pool), and the rules tried in this policy's place that did worse:
+  docs/demo.md, "Where the rest of the gain goes, and what did worse".
 
 Measured against :class:`FairShare` on the trace suite (``bench/run.py elastic-suite``,
 ``python -m kvshare.demo.elastic_sim``), it gains more of what sharing allows and keeps
