@@ -530,6 +530,39 @@ def in_use(books: Books, pod: str, pid: int, nbytes: int, **overrides: object) -
     return pool
 
 
+def test_a_reclaim_for_a_pool_whose_ask_lapsed_is_called_off() -> None:
+    # The default policy stops counting an ask not heard again for a second (the pool's
+    # burst ended; pools never say they want less). A reclaim made only for that ask is
+    # no longer needed: the busy pool keeps its blocks and its lease.
+    books = Books([GPU], headroom=GIB)
+    busy = in_use(books, "busy", 10, 11 * GIB)
+    bursty = admit(books, "bursty", 11, kv_min=0)
+    assert busy in reclaims(books.want(bursty, 1, 8 * GIB, 1.0))
+    books.report(busy, Report(mapped=11 * GIB, used=11 * GIB, cached=0, reserved=0), 5.0)
+    assert books.pool(busy).reclaim is None  # type: ignore[union-attr]
+    assert books.pool(busy).lease == 11 * GIB  # type: ignore[union-attr]
+    reply = books.want(busy, 2, 11 * GIB, 5.0)[0].message
+    assert reply.reason == "granted"  # not "reclaiming"
+    assert busy in reclaims(books.want(bursty, 2, 8 * GIB, 6.0))  # asking again counts
+    books.check()
+
+
+def test_reconnecting_does_not_move_a_reclaim_s_deadline() -> None:
+    events = RecordingEvents()
+    books = Books([GPU], headroom=GIB, reclaim_deadline_s=5.0, events=events)
+    slow = in_use(books, "slow", 10, 11 * GIB)
+    waiter = admit(books, "waiter", 11, kv_min=0)
+    assert slow in reclaims(books.want(waiter, 1, 8 * GIB, 1.0))  # due at 6.0
+    claim = hello("slow", kv_min=0, resume=True, held=11 * GIB, lease=11 * GIB)
+    resent = reclaims(books.admit(claim, 10, 4.0).sends)[slow]  # it reconnected
+    assert resent.deadline_s == pytest.approx(2.0)  # what is left, not a new deadline
+    books.tick(6.5)
+    assert events.overdue == ["ns/slow"]
+    books.admit(claim, 10, 7.0)
+    assert books.pool(slow).reclaim.overdue  # type: ignore[union-attr]
+    books.check()
+
+
 def test_what_a_reclaimed_pool_already_released_goes_on_before_the_rest() -> None:
     books = Books([GPU], headroom=GIB, policy=FairShare())  # budget 11 GiB
     a = in_use(books, "a", 10, 11 * GIB)
@@ -631,6 +664,21 @@ def test_an_unknown_pool_re_declaring_memory_gets_only_unleased_memory() -> None
     assert impostor.record.lease <= books.view(1.0).gpus[0].unleased + impostor.record.lease
     assert reclaims(impostor.sends).keys() == {impostor.record.id}  # asked to shrink itself
     assert books.pool(a).lease == 8 * GIB and books.pool(a).reclaim is None  # type: ignore[union-attr]
+    books.check()
+
+
+def test_an_unknown_pool_re_declaring_memory_while_the_books_recover_is_lent_nothing() -> None:
+    # Until every expected pool has re-declared, unleased memory still holds theirs.
+    expected = [ExpectedPool(pid=50, name="ns/known", gpu=GPU.uuid, static=2 * GIB, kv_min=GIB)]
+    books = Books([GPU], headroom=GIB, expected=expected, recovery_deadline=30.0)
+    claim = hello("stranger", resume=True, held=10 * GIB, lease=10 * GIB)
+    stranger = books.admit(claim, 60, 0.0)
+    assert stranger.record is not None
+    assert stranger.record.lease == GIB  # its minimum, and it is asked to shrink to it
+    assert reclaims(stranger.sends)[stranger.record.id].limit == GIB
+    known = books.admit(hello("known", resume=True, held=10 * GIB, lease=10 * GIB), 50, 1.0)
+    assert known.record is not None and known.record.lease == 10 * GIB
+    assert books.view(1.0).gpus[0].unleased >= 0
     books.check()
 
 

@@ -214,8 +214,8 @@ class Admitter:
         """A process this broker neither knows nor expects claims to hold memory.
 
         It is admitted like a new pool and gets what it declares only from unleased
-        memory; whatever it holds beyond that it is asked to give back. Other pools'
-        leases are never touched for it.
+        memory, and none while the books recover; whatever it holds beyond that it is
+        asked to give back. Other pools' leases are never touched for it.
         """
         admission = self._admit_new(gpu, hello, pid, now)
         record = admission.record
@@ -227,7 +227,10 @@ class Admitter:
             declared = min(declared, record.kv_max)
         if declared > record.lease:
             record.want = declared
-            self._lender.grant(gpu, record, declared, holdback=gpu.turn_need())
+            # While the books recover, unleased memory still holds what the pools not yet
+            # re-declared hold: nothing is lent until they have.
+            if not self._recovery.active:
+                self._lender.grant(gpu, record, declared, holdback=gpu.turn_need())
         if hello.held > record.lease:
             log.warning(
                 "pool %s (pid %d) re-declared %s unknown to this broker: granted %s from "

@@ -286,7 +286,7 @@ class Books:
             # Usage moved: who the policy grows, and what other pools may be asked to give
             # back, moved with it.
             return self._lender.serve(gpu, now)
-        return [] if self.recovering else self._lender.withdraw_unneeded(gpu)
+        return [] if self.recovering else self._lender.withdraw_unneeded(gpu, now)
 
     def remove(self, pool_id: int, why: str, now: float) -> list[Send]:
         """Pool ``pool_id`` is gone (``why``: bye, closed, exited, ...): its lease returns."""

@@ -129,20 +129,24 @@ class Lender:
         if self.waiting(gpu):
             grants = self._policy.grants(gpu.snapshot(now))
             sends += self.announce(gpu, self.apply_grants(gpu, grants))
-        return sends + self.rebalance(gpu, now) + self.withdraw_unneeded(gpu)
+        return sends + self.rebalance(gpu, now) + self.withdraw_unneeded(gpu, now)
 
-    def withdraw_unneeded(self, gpu: GpuRecord) -> list[Send]:
-        """Call off the reclaims nobody needs any more: no pool waits, no engine waits for
-        the start-up turn, the GPU is not over-committed, draining or unhealthy. A pool
-        still releasing one (blocks in use that may never finish while it serves) keeps
-        what it holds, as its lease, and may ask for more again."""
+    def withdraw_unneeded(self, gpu: GpuRecord, now: float) -> list[Send]:
+        """Call off the reclaims nobody needs any more: the policy would grow no pool, no
+        engine waits for the start-up turn, the GPU is not over-committed, draining or
+        unhealthy. A pool still releasing one (blocks in use that may never finish while
+        it serves) keeps what it holds, as its lease, and may ask for more again."""
         if (
-            self.waiting(gpu)
+            not any(p.reclaim and p.reclaim.for_waiters for p in gpu.pools.values())
             or gpu.turn_need()
             or gpu.unleased < 0
             or gpu.draining
             or not gpu.healthy
         ):
+            return []
+        # Who still waits is the policy's to say: an ask it no longer counts (the default
+        # policy lets one lapse when the pool stops repeating it) needs no reclaim.
+        if self.waiting(gpu) and self._policy.grants(gpu.snapshot(now)):
             return []
         sends = []
         for pool in gpu.pools.values():
@@ -181,8 +185,9 @@ class Lender:
         seq = self._next_seq
         self._next_seq += 1
         previous = pool.reclaim
-        if reason == RESENT and previous is not None:
-            for_waiters = previous.for_waiters
+        resent = previous if reason == RESENT else None
+        if resent is not None:
+            for_waiters = resent.for_waiters
         else:
             # Deepening a reclaim that was needed for more than waiters keeps it needed.
             for_waiters = (
@@ -195,7 +200,10 @@ class Lender:
             target=target,
             from_bytes=previous.from_bytes if previous else pool.lease,
             issued_at=previous.issued_at if previous else now,
-            deadline=now + self.reclaim_deadline_s,
+            # Sent again (the pool reconnected), it is the same reclaim: reconnecting buys
+            # no time and clears no missed deadline.
+            deadline=resent.deadline if resent else now + self.reclaim_deadline_s,
+            overdue=resent.overdue if resent else False,
             for_waiters=for_waiters,
         )
         pool.lease = target
