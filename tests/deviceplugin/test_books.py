@@ -549,7 +549,8 @@ def test_a_reclaim_for_a_pool_whose_ask_lapsed_is_called_off() -> None:
 
 def test_reconnecting_does_not_move_a_reclaim_s_deadline() -> None:
     events = RecordingEvents()
-    books = Books([GPU], headroom=GIB, reclaim_deadline_s=5.0, events=events)
+    # fair-share: the waiter's ask stands however long it waits, so the reclaim does too.
+    books = Books([GPU], headroom=GIB, reclaim_deadline_s=5.0, events=events, policy=FairShare())
     slow = in_use(books, "slow", 10, 11 * GIB)
     waiter = admit(books, "waiter", 11, kv_min=0)
     assert slow in reclaims(books.want(waiter, 1, 8 * GIB, 1.0))  # due at 6.0
