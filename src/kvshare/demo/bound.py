@@ -36,7 +36,8 @@ import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from kvshare.demo.engine_sim import BlockAllocator, EngineSim
+from kvshare.demo.blocks import BlockAllocator
+from kvshare.demo.engine_sim import EngineSim
 from kvshare.demo.trace import Trace
 
 __all__ = ["Bound", "paged_sharing", "sharing_bound"]
