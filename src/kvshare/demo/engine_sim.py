@@ -219,7 +219,8 @@ class EngineSim:
         """One scheduler step, starting at :attr:`clock` (an idle engine's first moves the
         clock to the next arrival); its batch sets how long it takes."""
         work = self.begin_step()
-        return self.end_step(self._clock + self.cost.step_seconds(work))
+        self.end_step(self._clock + self.cost.step_seconds(work))
+        return self.sample()
 
     def begin_step(self, now: float | None = None) -> StepWork:
         """Form the batch of a step starting at ``now`` (default: :attr:`clock`, or the
@@ -251,7 +252,7 @@ class EngineSim:
         self._step = (work, prefilled)
         return work
 
-    def end_step(self, end: float) -> EngineSample:
+    def end_step(self, end: float) -> None:
         """End the step begun by :meth:`begin_step` at ``end``: first tokens, completions."""
         if self._step is None:
             raise RuntimeError("no step has begun")
@@ -267,7 +268,6 @@ class EngineSim:
                 self._first_token(entry)
         self._finish()
         self._allocator.set_running_requests(len(self._running))
-        return self.sample()
 
     def _first_token(self, entry: _Running) -> None:
         """Record a newly admitted request's first token, or its client's leaving when its
@@ -310,6 +310,22 @@ class EngineSim:
         done = self._progress.get(request.rid, 0)
         return done, self._blocks_for(request.prompt_tokens + done + 1)
 
+    def overdue(self, cutoff_s: float) -> int:
+        """Requests that arrived before ``cutoff_s`` and were never admitted (queued, or
+        not yet taken in because a step or the GPU kept the engine busy)."""
+        count = 0
+        for request in self._waiting:
+            if request.rid in self._admitted:
+                continue
+            if request.arrival_s >= cutoff_s:
+                return count
+            count += 1
+        for request in self._pending:
+            if request.arrival_s >= cutoff_s:
+                break
+            count += 1
+        return count
+
     def used_blocks(self) -> int:
         """Blocks referenced by running requests (own blocks plus the shared prefix)."""
         return self._own_blocks + self.prefix_cache.in_use_blocks()
@@ -342,7 +358,8 @@ class EngineSim:
     def _expect_block(self, entry: _Running) -> None:
         """Note the decode round in which ``entry`` next crosses into a new block."""
         held = len(entry.blocks) + entry.prefix_blocks
-        heapq.heappush(self._needs, (held * self._block_tokens - entry.base(), entry.number))
+        base = entry.request.prompt_tokens + entry.gen - entry.joined
+        heapq.heappush(self._needs, (held * self._block_tokens - base, entry.number))
 
     def _decode(self) -> tuple[bool, int]:
         """Grow every decoding request by one token; returns whether any was preempted,
