@@ -24,6 +24,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "top": ("kvshare.deviceplugin.top_cli", "live view of the node's GPUs and KV pools"),
     "crds": ("kvshare.api.crds_cli", "print the CustomResourceDefinitions as YAML"),
     "demo": ("kvshare.demo.cli", "static partitions vs elastic KV caches, live, on this machine"),
+    "twin": ("kvshare.twin.cli", "a workload's capacity at its latency SLO on a GPU twin"),
     "operator": (
         "kvshare.operator.cli",
         "run the operator: place ModelServers onto shared GPUs and run their pods",

@@ -46,4 +46,27 @@ def test_models_per_gpu_is_the_most_that_meet_and_the_fleet_follows() -> None:
     assert models_per_gpu(lambda n: n <= 1) == 1
     assert models_per_gpu(lambda n: False) == 0
     assert models_per_gpu(lambda n: True, most=40) == 40
+    for start in (1, 4, 11, 12, 30):
+        assert models_per_gpu(lambda n: n <= 11, start=start) == 11
     assert fleet_gpus(11) == 5 and fleet_gpus(48) == 1 and fleet_gpus(0) == math.inf
+
+
+@pytest.mark.parametrize(
+    ("threshold", "probes"),
+    [
+        (2.0, (3.0, 2.05, 1.8)),
+        (2.0, (2.5, 3.0)),
+        (2.0, (1.0, 1.5)),
+        (0.1, (1.0, 4.0)),
+        (50.0, (1, 2)),
+    ],
+)
+def test_probes_narrow_the_search_and_never_change_the_answer(
+    threshold: float, probes: tuple[float, ...]
+) -> None:
+    plain = capacity(lambda s: s <= threshold)
+    probed = capacity(lambda s: s <= threshold, probes=probes)
+    assert probed.scale <= threshold < probed.missed_at
+    assert probed.missed_at / probed.scale <= 1.03 + 1e-9
+    if min(probes) <= threshold < max(probes):
+        assert len(probed.tried) < len(plain.tried)

@@ -135,6 +135,10 @@ class NodeSettings:
     reclaim_deadline_s: float = 10.0
     #: Ready pages every pool keeps mapped ahead of its engine.
     reserve_pages: int = DEFAULT_RESERVE_PAGES
+    #: A pool's maintenance pass after each step of its engine only when something woke
+    #: its background thread (:meth:`KVPool.maintenance_due`), as the thread runs it;
+    #: False: after every step (the demo's simulation, whose figures were measured so).
+    maintain_when_woken: bool = False
 
 
 class _SimLease(LeaseSource):
@@ -341,7 +345,8 @@ class SimNode:
         pool's maintenance pass runs (as its background thread would, woken by the step)."""
         pool = self.pools[model]
         pool.steps.finished()
-        pool.maintain()
+        if not self.settings.maintain_when_woken or pool.maintenance_due():
+            pool.maintain()
 
     def _step(self, model: int) -> None:
         self.step_began(model)
@@ -355,6 +360,7 @@ class SimNode:
             self.clock.at(start, lambda: self._step(model))
 
     def _timer(self, model: int) -> None:
+        self.pools[model].maintenance_due()  # the thread's wait ends either way
         self.pools[model].maintain()
         self.clock.after_wall(POOL_REPORT_INTERVAL_S, lambda: self._timer(model))
 

@@ -16,7 +16,7 @@ request is held to the workload's latency SLO.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvshare.twin.workload import MAX_SCALE, Workload
@@ -55,8 +55,14 @@ def capacity(
     start: float = 1.0,
     precision: float = DEFAULT_PRECISION,
     max_scale: float = MAX_SCALE,
+    probes: Sequence[float] = (),
 ) -> Capacity:
-    """The largest scale at which ``meets(scale)`` holds (see the module doc)."""
+    """The largest scale at which ``meets(scale)`` holds (see the module doc).
+
+    ``probes`` are scales where the threshold likely lies (another world's answers): they
+    are tried from the largest down until one holds, which brackets the threshold with the
+    last that did not; the search doubles up from the largest if it holds, and halves
+    down from the smallest if none does. Without probes it starts at ``start``."""
     if not precision > 0 or not 0 < start <= max_scale:
         raise ValueError("need precision > 0 and 0 < start <= max_scale")
     tried: dict[float, bool] = {}
@@ -67,25 +73,37 @@ def capacity(
         return tried[scale]
 
     low, high = 0.0, math.inf
-    scale = start
-    if check(scale):
-        low = scale
-        while high == math.inf and low < max_scale:
-            scale = min(low * 2, max_scale)
-            if check(scale):
-                low = scale
-            else:
-                high = scale
-    else:
+    ladder = sorted({min(max(p, MIN_SCALE), max_scale) for p in probes}, reverse=True)
+    for scale in ladder or [start]:
+        if check(scale):
+            low = scale
+            break
         high = scale
-        while low == 0.0 and high > MIN_SCALE:
-            scale = max(high / 2, MIN_SCALE)
-            if check(scale):
-                low = scale
-            else:
-                high = scale
+    while high == math.inf and low < max_scale:
+        scale = min(low * 2, max_scale)
+        if check(scale):
+            low = scale
+        else:
+            high = scale
+    while low == 0.0 and high > MIN_SCALE:
+        scale = max(high / 2, MIN_SCALE)
+        if check(scale):
+            low = scale
+        else:
+            high = scale
     if low == 0.0 or high == math.inf:
         return Capacity(low, high, tuple(sorted(tried.items())))
+    return _bisect(check, low, high, precision, tried)
+
+
+def _bisect(
+    check: Callable[[float], bool],
+    low: float,
+    high: float,
+    precision: float,
+    tried: dict[float, bool],
+) -> Capacity:
+    """Narrow ``[low, high)`` (``low`` met, ``high`` missed) to ``precision``."""
     while high / low > 1 + precision:
         middle = math.sqrt(low * high)
         if check(middle):
@@ -106,20 +124,24 @@ def workload_capacity(
     return capacity(lambda s: meets(workload.at_scale(s)), start=start, precision=precision)
 
 
-def models_per_gpu(meets: Callable[[int], bool], *, most: int = 64) -> int:
-    """The most models ``n`` (up to ``most``) for which ``meets(n)`` holds, searching
-    upward by doubling and then bisecting (0 when not even one model meets it)."""
-    if not meets(1):
-        return 0
-    low, high = 1, None
-    while high is None:
-        step = min(low * 2, most)
-        if step == low:
-            return low
-        if meets(step):
-            low = step
-        else:
-            high = step
+def models_per_gpu(meets: Callable[[int], bool], *, most: int = 64, start: int = 1) -> int:
+    """The most models ``n`` (up to ``most``) for which ``meets(n)`` holds: from
+    ``start`` (a count likely to meet, such as a family's own) up by doubling while it
+    holds, then bisecting; below ``start`` by bisecting when it does not (0 when not even
+    one model meets it)."""
+    start = min(max(start, 1), most)
+    if meets(start):
+        low, high = start, None
+        while high is None:
+            step = min(low * 2, most)
+            if step == low:
+                return low
+            if meets(step):
+                low = step
+            else:
+                high = step
+    else:
+        low, high = 0, start
     while high - low > 1:
         middle = (low + high) // 2
         if meets(middle):

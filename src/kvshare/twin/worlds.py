@@ -270,7 +270,8 @@ def kvshare(workload: Workload, options: TwinOptions, policy: str = DEFAULT_POLI
             name=item.model,
             geometry=shape.geometry,
             chunk_bytes=shape.chunk_bytes,
-            kv_min=kv_min // shape.page_bytes * shape.page_bytes,
+            # At least the page of its null block, which the pool keeps from the start.
+            kv_min=max(shape.page_bytes, kv_min // shape.page_bytes * shape.page_bytes),
             kv_max=placement.budget_bytes,
             static_bytes=item.static_bytes,
         )
@@ -281,6 +282,7 @@ def kvshare(workload: Workload, options: TwinOptions, policy: str = DEFAULT_POLI
         headroom_bytes=gpu.memory_bytes - gpu.usable_bytes,
         latency_s=options.latency_s,
         reclaim_deadline_s=options.reclaim_deadline_s,
+        maintain_when_woken=True,
     )
 
     def make_engine(model: int, pool: KVPool) -> EngineSim:
