@@ -83,11 +83,22 @@ def _worlds() -> list[str]:
 def _one_workload(job: tuple[str, str, int, float | None, float]) -> dict[str, Any]:
     family, model_class, seed, duration, precision = job
     _quiet()
-    started = time.perf_counter()
+    started = time.process_time()
     workload = families().generate(
         family, seed=seed, gpu=GPU, model_class=model_class, duration_s=duration
     )
     found = compare_worlds(workload, _worlds(), TwinOptions(), precision=precision)
+    layered: dict[str, float] = {}
+    if seed == SEEDS[0]:
+        # The other page layout, for the worlds whose pages it changes.
+        per_layer = compare_worlds(
+            workload,
+            ["first-come", f"kvshare:{DEFAULT_POLICY}"],
+            TwinOptions(page_layout="per-layer"),
+            precision=precision,
+            reference=found,
+        )
+        layered = {w: round(c.scale, 4) for w, c in per_layer.capacities.items()}
     return {
         "workload": workload.name,
         "family": family,
@@ -95,8 +106,9 @@ def _one_workload(job: tuple[str, str, int, float | None, float]) -> dict[str, A
         "seed": seed,
         "requests": found.requests,
         "scales": {w: round(found.scale(w), 4) for w in _worlds()},
+        "per_layer": layered,
         "runs": sum(len(c.tried) for c in found.capacities.values()),
-        "wall_s": round(time.perf_counter() - started, 1),
+        "cpu_s": round(time.process_time() - started, 1),
     }
 
 
@@ -147,6 +159,19 @@ def print_table(rows: list[dict[str, Any]], placements: list[dict[str, Any]]) ->
         line += f" {'-' if gain is None else f'{gain:.2f}':>6}"
         print(line)
     print(f"(capacity: the largest load scale meeting the SLO; kv: kvshare:{DEFAULT_POLICY})")
+    layered = [row for row in rows if row["per_layer"]]
+    if layered:
+        kv = f"kvshare:{DEFAULT_POLICY}"
+        head = f"{'pages: per-layer / block-outer':<28} {'first-come':>11} {'kvshare':>11}"
+        print(f"\n{head} {'gain':>6}")
+        for row in layered:
+            gain = _gain({"scales": {**row["scales"], kv: row["per_layer"][kv]}}, DEFAULT_POLICY)
+            print(
+                f"{row['workload']:<28} "
+                f"{row['per_layer']['first-come'] / row['scales']['first-come']:>11.3f} "
+                f"{row['per_layer'][kv] / row['scales'][kv]:>11.3f} "
+                f"{'-' if gain is None else f'{gain:.2f}':>6}"
+            )
     if placements:
         print(f"\n{'models per GPU':<28} " + " ".join(f"{names[w]:>11}" for w in worlds))
         for entry in placements:
@@ -188,6 +213,23 @@ def summarise(rows: list[dict[str, Any]], placements: list[dict[str, Any]]) -> d
         )
         fields[f"first_come_over_bound_min.{model_class}"] = round(
             min(_ratio(r, "first-come", "pooled-bound") for r in mine), 3
+        )
+    kv = f"kvshare:{DEFAULT_POLICY}"
+    for model_class in CLASSES:
+        layered = [r for r in rows if r["per_layer"] and r["class"] == model_class]
+        if not layered:
+            continue
+        fields[f"per_layer_over_block_outer_median.{model_class}.{DEFAULT_POLICY}"] = round(
+            statistics.median(r["per_layer"][kv] / r["scales"][kv] for r in layered), 3
+        )
+        gains = [
+            g
+            for r in layered
+            if (g := _gain({"scales": {**r["scales"], kv: r["per_layer"][kv]}}, DEFAULT_POLICY))
+            is not None
+        ]
+        fields[f"per_layer_gain_share_median.{model_class}.{DEFAULT_POLICY}"] = (
+            round(statistics.median(gains), 3) if gains else 1.0
         )
     for entry in placements:
         for world, count in entry["models"].items():
@@ -232,6 +274,7 @@ def measure(quick: bool) -> Result:
     fields = summarise(rows, placements)
     fields["runs"] = sum(r["runs"] for r in rows)
     fields["wall_s"] = round(time.perf_counter() - started, 1)
+    fields["cpu_s"] = round(sum(r["cpu_s"] for r in rows), 1)
     return Result(
         name="capacity",
         fields=fields,

@@ -60,9 +60,14 @@ def compare_worlds(
     options: TwinOptions,
     *,
     precision: float = DEFAULT_PRECISION,
+    reference: Comparison | None = None,
 ) -> Comparison:
-    """The capacity of every world of ``worlds`` on ``workload`` (see the module doc)."""
+    """The capacity of every world of ``worlds`` on ``workload`` (see the module doc);
+    ``reference``, the same workload's comparison under other options, lends its bound
+    and static capacities for the probes."""
     found: dict[str, Capacity] = {}
+    if reference is not None:
+        found.update({w: reference.capacities[w] for w in (BOUND, STATIC)})
 
     def meets(world: str) -> Callable[[float], bool]:
         return lambda scale: run_world(world, workload.at_scale(scale), options).verdict.met
