@@ -477,7 +477,8 @@ class Broker:
 
     def _reject(self, conn: Conn, error: ProtocolError) -> None:
         self._events.protocol_error(error.kind)
-        # The message quotes the peer's values escaped and cut short (see wire._shown).
+        # The message quotes the peer's values escaped and cut short
+        # (kvshare.api.wire.errors.shown).
         self._error_log.log(
             logging.WARNING, "broker: closing connection from pid %d: %s", conn.peer.pid, error
         )
