@@ -12,7 +12,7 @@ DEV_STAMP  := $(VENV)/.dev-installed
 DEMO_STAMP := $(VENV)/.demo-installed
 PROTOC_STAMP := $(VENV)/.protoc-installed
 # The kubelet device plugin API stubs, generated from the .proto (never committed).
-PROTO_DIR   := src/kvshare/deviceplugin/v1beta1
+PROTO_DIR   := src/kvshare/deviceplugin/kubelet/v1beta1
 PROTO_STUBS := $(PROTO_DIR)/api_pb2.py
 # Tools the chart tests run, unpacked once into a git-ignored folder (cached wheels too).
 TOOLS := .tools
@@ -43,8 +43,8 @@ $(PROTOC_STAMP): $(LOCK) | $(PY)
 	$(PIP) -c $(LOCK) grpcio-tools
 	touch $@
 
-$(PROTO_STUBS): $(PROTO_DIR)/api.proto src/kvshare/deviceplugin/protogen.py $(PROTOC_STAMP)
-	PYTHONPATH=src $(PY) -m kvshare.deviceplugin.protogen
+$(PROTO_STUBS): $(PROTO_DIR)/api.proto src/kvshare/deviceplugin/kubelet/protogen.py $(PROTOC_STAMP)
+	PYTHONPATH=src $(PY) -m kvshare.deviceplugin.kubelet.protogen
 
 proto: $(PROTO_STUBS)  ## generate the kubelet device plugin API stubs from the .proto
 

@@ -52,12 +52,12 @@ def missing_packages(dry_run: bool) -> list[str]:
 
 def ensure_kubelet_stubs() -> bool:
     """Whether the node agent's generated kubelet API stubs are there (made if they can be)."""
-    stubs = ROOT / "src" / "kvshare" / "deviceplugin" / "v1beta1" / "api_pb2.py"
+    stubs = ROOT / "src" / "kvshare" / "deviceplugin" / "kubelet" / "v1beta1" / "api_pb2.py"
     if stubs.exists():
         return True
     if importlib.util.find_spec("grpc_tools") is None:
         return False
-    from kvshare.deviceplugin.protogen import generate
+    from kvshare.deviceplugin.kubelet.protogen import generate
 
     generate()
     return stubs.exists()

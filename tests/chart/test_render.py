@@ -21,9 +21,9 @@ import yaml
 
 from kvshare.api import env as env_module
 from kvshare.api import names
-from kvshare.deviceplugin import node_config
-from kvshare.deviceplugin.node_config import NodeConfigFile, load_config_file, select
-from kvshare.deviceplugin.policy import DEFAULT_POLICY, POLICIES
+from kvshare.deviceplugin.broker.policy import DEFAULT_POLICY, POLICIES
+from kvshare.deviceplugin.cluster import node_config
+from kvshare.deviceplugin.cluster.node_config import NodeConfigFile, load_config_file, select
 from tests.chart.helm import (
     CERT_MANAGER,
     CHART,

@@ -20,9 +20,10 @@ from typing import Any
 
 import pytest
 
-from kvshare.deviceplugin.admin import AdminClient, AdminError, AdminRequest
+from kvshare.deviceplugin.admin.client import AdminClient, AdminError
+from kvshare.deviceplugin.broker.connections.admin_requests import AdminRequest
+from kvshare.deviceplugin.broker.views import BooksView, PoolView
 from kvshare.deviceplugin.inventory import parse_fake_gpus
-from kvshare.deviceplugin.views import BooksView, PoolView
 from tests.polling import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -8,7 +8,7 @@ depends only on the trace and on the settings below — the same result every ti
 any machine, in seconds — for trying broker policies against the trace suite. The real
 run confirms what it finds.
 
-What runs for real: :class:`~kvshare.deviceplugin.books.Books` with the chosen policy,
+What runs for real: :class:`~kvshare.deviceplugin.broker.books.Books` with the chosen policy,
 one :class:`~kvshare.runtime.pool.KVPool` per model with the demo server's geometry,
 reserve and lease chunk (over :mod:`~kvshare.demo.bookkeeping_backend`, which only
 bookkeeps its pages: the lowest layer, which the simulation never reads or writes), each
@@ -49,15 +49,15 @@ from kvshare.demo.engine_sim import EngineSim
 from kvshare.demo.server import demo_geometry, lease_chunk_bytes
 from kvshare.demo.sim_diagnosis import Diagnosis
 from kvshare.demo.stats import percentile
-from kvshare.deviceplugin.books import Books, Send
-from kvshare.deviceplugin.inventory import GpuInfo
-from kvshare.deviceplugin.policy import (
+from kvshare.deviceplugin.broker.books import Books, Send
+from kvshare.deviceplugin.broker.policy import (
     DEFAULT_POLICY,
     POLICIES,
     Entitlement,
     Policy,
     policy_named,
 )
+from kvshare.deviceplugin.inventory import GpuInfo
 from kvshare.runtime.broker_client import DEFAULT_SLOW_START_WINDOW_S
 from kvshare.runtime.geometry import KVGeometry
 from kvshare.runtime.lease import LeaseHolder, LeaseSource, PoolUsage

@@ -19,11 +19,11 @@ from typing import Any
 from kvshare.api import names
 from kvshare.api.kube import Condition
 from kvshare.api.quantity import format_bytes_human
-from kvshare.deviceplugin.audit import Auditor
-from kvshare.deviceplugin.broker import Broker, BrokerConfig
+from kvshare.deviceplugin.admin.metrics import MetricsServer, NodeMetrics
+from kvshare.deviceplugin.broker.audit import Auditor
+from kvshare.deviceplugin.broker.policy import DEFAULT_POLICY
+from kvshare.deviceplugin.broker.server import Broker, BrokerConfig
 from kvshare.deviceplugin.inventory import GpuInfo, Inventory, open_inventory
-from kvshare.deviceplugin.metrics import MetricsServer, NodeMetrics
-from kvshare.deviceplugin.policy import DEFAULT_POLICY
 
 __all__ = ["AgentConfig", "NodeAgent"]
 
@@ -190,9 +190,9 @@ class NodeAgent:
         api = kube_api_client(config.kubeconfig) if config.use_kube else None
         if api is None:
             return
-        from kvshare.deviceplugin.node_checks import NodeChecks, post_node_event, read_node
-        from kvshare.deviceplugin.pods import PendingPods
-        from kvshare.deviceplugin.publisher import KVShareNodePublisher, status_from_view
+        from kvshare.deviceplugin.cluster.node_checks import NodeChecks, post_node_event, read_node
+        from kvshare.deviceplugin.cluster.pods import PendingPods
+        from kvshare.deviceplugin.cluster.publisher import KVShareNodePublisher, status_from_view
 
         assert self.broker is not None and self.inventory is not None
         broker, backend = self.broker, self.inventory.backend
@@ -231,13 +231,13 @@ class NodeAgent:
 
     def _start_device_plugin(self) -> None:
         try:
-            from kvshare.deviceplugin.plugin import (
+            from kvshare.deviceplugin.kubelet.plugin import (
                 DeviceWatch,
                 GpuMemoryResource,
                 GpuSlotResource,
                 NodeView,
             )
-            from kvshare.deviceplugin.registration import PluginManager
+            from kvshare.deviceplugin.kubelet.registration import PluginManager
         except ImportError as exc:
             # A build without the generated kubelet API stubs: the broker and the metrics
             # still serve (as without a kubelet), but say loudly what is missing.
@@ -294,13 +294,12 @@ class NodeAgent:
 
     def _pod_changed(self, kind: str, pod: Any) -> None:
         """A pod of this node changed: its annotated KV policy goes to the broker."""
-        from kvshare.deviceplugin.pod_policies import pod_policy
+        from kvshare.deviceplugin.cluster.pod_policies import send_to_broker
 
         broker = self.broker
         if broker is None:
             return
-        uid, policy = pod_policy(pod)
-        broker.set_pod_policy(uid, None if kind == "DELETED" else policy)
+        send_to_broker(broker, kind, pod)
 
     def _config_condition(self) -> list[Condition]:
         """``NodeConfigApplied``, when the settings came from a configuration file."""

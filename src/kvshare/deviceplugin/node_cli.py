@@ -11,7 +11,8 @@ from typing import Any
 
 from kvshare.api import env, names
 from kvshare.api.quantity import QuantityError, parse_bytes
-from kvshare.deviceplugin.node_config import (
+from kvshare.deviceplugin.broker.policy import DEFAULT_POLICY, POLICIES
+from kvshare.deviceplugin.cluster.node_config import (
     DEFAULT_CONFIG,
     DEFAULT_LABEL,
     NodeConfigError,
@@ -20,7 +21,6 @@ from kvshare.deviceplugin.node_config import (
     load_config_file,
     select,
 )
-from kvshare.deviceplugin.policy import DEFAULT_POLICY, POLICIES
 from kvshare.deviceplugin.stop_signals import StopSignals
 
 log = logging.getLogger(__name__)
@@ -140,7 +140,7 @@ def _settings(args: argparse.Namespace, node_name: str) -> tuple[dict[str, Any],
     """AgentConfig fields from the flags over the node's configuration (if any), and the
     configuration chosen. Raises NodeConfigError for a file that cannot be used."""
     from kvshare.deviceplugin.agent import kube_api_client
-    from kvshare.deviceplugin.node_checks import read_node
+    from kvshare.deviceplugin.cluster.node_checks import read_node
 
     selected = SelectedConfig(DEFAULT_CONFIG, NodeSettings())
     if args.config is not None:
@@ -171,7 +171,7 @@ def _settings(args: argparse.Namespace, node_name: str) -> tuple[dict[str, Any],
 def run(args: argparse.Namespace) -> int:
     """Run until SIGTERM or SIGINT; 1 when an essential part cannot start."""
     from kvshare.deviceplugin.agent import AgentConfig, NodeAgent
-    from kvshare.deviceplugin.broker import BrokerError
+    from kvshare.deviceplugin.broker.server import BrokerError
     from kvshare.deviceplugin.inventory import InventoryError
 
     node_name = args.node_name or socket.gethostname()
