@@ -79,7 +79,7 @@ MAX_REQUEST_TOKENS = 1 << 20
 #: Latest arrival accepted, in seconds (a week).
 MAX_ARRIVAL_S = 7 * 24 * 3600.0
 _DIGITS = re.compile(r"[0-9]{1,9}")
-_DECIMAL = re.compile(r"[0-9]{1,9}(\.[0-9]{1,17})?([eE][-+]?[0-9]{1,3})?")
+_DECIMAL = re.compile(r"[0-9]{1,9}(\.[0-9]{1,24})?([eE][-+]?[0-9]{1,3})?")
 _TOP_KEYS = ("name", "gpu", "duration_s", "seed", "source", "requests", "slo", "models")
 _SLO_KEYS = ("ttft_p99_s", "tpot_p99_ms", "min_attainment")
 _MODEL_KEYS = ("name", "architecture", "tensor_parallel", "engine", "block_tokens")
