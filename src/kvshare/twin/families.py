@@ -376,9 +376,9 @@ def _long_context(
     """*long-context*: one model reads long documents beside chat models.
 
     Lengths: the first model's prompts are ShareGPT first turns of 2,048 tokens or more
-    (:data:`LONG_PROMPTS`: 273 of them under the Llama-3 tokenizer, median prompt about
-    3,000 tokens, largest near 15,000), real pasted documents and code; the other models
-    get chat (vLLM's bounds). Arrivals: Poisson, every model an equal share of the base
+    (:data:`LONG_PROMPTS`: 273 under the Llama-3 tokenizer, median prompt 2,664 tokens,
+    largest 12,323; 285 under Qwen3's, median 2,833, largest 14,891), real pasted documents
+    and code; the other models get chat (vLLM's bounds). Arrivals: Poisson, every model an equal share of the base
     load in requests, so the long model brings most of the prompt tokens.
     """
     out: list[TwinRequest] = []
