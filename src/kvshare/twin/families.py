@@ -378,8 +378,9 @@ def _long_context(
     Lengths: the first model's prompts are ShareGPT first turns of 2,048 tokens or more
     (:data:`LONG_PROMPTS`: 273 under the Llama-3 tokenizer, median prompt 2,664 tokens,
     largest 12,323; 285 under Qwen3's, median 2,833, largest 14,891), real pasted documents
-    and code; the other models get chat (vLLM's bounds). Arrivals: Poisson, every model an equal share of the base
-    load in requests, so the long model brings most of the prompt tokens.
+    and code; the other models get chat (vLLM's bounds). Arrivals: Poisson, every model an
+    equal share of the base load in requests, so the long model brings most of the prompt
+    tokens.
     """
     out: list[TwinRequest] = []
     for index, model in enumerate(models):
