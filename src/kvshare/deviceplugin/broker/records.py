@@ -92,6 +92,10 @@ class BrokerEvents:
         """A connection broke the protocol (a :class:`~kvshare.api.wire.ProtocolError`
         of ``kind``) and was closed."""
 
+    def trust_refused(self, reason: str) -> None:
+        """A connection was refused by a check of who it is or of what it may hold (see
+        :mod:`~kvshare.deviceplugin.broker.identity`, :mod:`~.connections.gate`)."""
+
 
 @dataclass
 class PendingReclaim:
