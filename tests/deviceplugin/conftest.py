@@ -92,8 +92,10 @@ class AgentProcess:
         """``fake_gpus`` None: the GPUs come from the node's configuration (``--config``);
         ``kubeconfig`` None: no Kubernetes API."""
         self.directory = directory
-        self.broker_socket = directory / "broker.sock"
-        self.admin_socket = directory / "admin.sock"
+        # The directory pods would mount holds the broker socket only; the admin
+        # directory is apart from it, as the node agent requires.
+        self.broker_socket = directory / "run" / "broker.sock"
+        self.admin_socket = directory / "admin" / "admin.sock"
         self.gpus = parse_fake_gpus(fake_gpus, node_name) if fake_gpus else []
         kube = ["--kubeconfig", str(kubeconfig)] if kubeconfig else ["--no-kube"]
         self._args = [
@@ -101,6 +103,7 @@ class AgentProcess:
             *(["--fake-gpus", fake_gpus] if fake_gpus else []),
             "--node-name", node_name,
             "--broker-socket", str(self.broker_socket),
+            "--admin-dir", str(directory / "admin"),
             "--device-plugin-dir", str(directory / "no-kubelet"),
             "--metrics-address", "127.0.0.1:0",
             *kube,

@@ -19,6 +19,7 @@ from typing import Any
 from kvshare.api import names
 from kvshare.api.kube import Condition
 from kvshare.api.quantity import format_bytes_human
+from kvshare.deviceplugin.admin import private_dir
 from kvshare.deviceplugin.admin.metrics import MetricsServer, NodeMetrics
 from kvshare.deviceplugin.broker.audit import Auditor
 from kvshare.deviceplugin.broker.policy import DEFAULT_POLICY
@@ -36,8 +37,8 @@ class AgentConfig:
 
     node_name: str
     broker_socket: Path
-    admin_socket: Path
-    state_file: Path
+    admin_dir: Path
+    """The agent's own directory (admin socket, restart file): no pod mounts it."""
     fake_gpus: str | None = None
     headroom: int = 512 * 2**20
     slots_per_gpu: int = 8
@@ -60,26 +61,23 @@ class AgentConfig:
     node_config_problem: str = ""
     """Why the node runs the default configuration although its label names another."""
 
+    @property
+    def admin_socket(self) -> Path:
+        """``admin.sock`` in the admin directory."""
+        return self.admin_dir / names.ADMIN_SOCKET_NAME
+
+    @property
+    def state_file(self) -> Path:
+        """The broker's restart file in the admin directory."""
+        return self.admin_dir / names.STATE_FILE_NAME
+
     @classmethod
     def for_broker(
-        cls,
-        node_name: str,
-        broker_socket: Path,
-        *,
-        admin_socket: Path | None = None,
-        state_file: Path | None = None,
-        **options: Any,
+        cls, node_name: str, broker_socket: Path, *, admin_dir: Path, **options: Any
     ) -> AgentConfig:
-        """A config whose admin socket and state file sit next to the broker socket
-        unless given (``admin.sock`` and ``broker.state``)."""
-        run_dir = broker_socket.parent
-        return cls(
-            node_name=node_name,
-            broker_socket=broker_socket,
-            admin_socket=admin_socket or run_dir / names.ADMIN_SOCKET_NAME,
-            state_file=state_file or run_dir / "broker.state",
-            **options,
-        )
+        """A config with its sockets where given (the admin directory apart from the
+        broker socket's, which pods mount)."""
+        return cls(node_name=node_name, broker_socket=broker_socket, admin_dir=admin_dir, **options)
 
 
 def kube_api_client(kubeconfig: str | None) -> Any | None:
@@ -133,6 +131,7 @@ class NodeAgent:
 
     def _start(self) -> None:
         config = self.config
+        private_dir.prepare(config.admin_dir, config.broker_socket.parent)
         self.inventory = open_inventory(config.fake_gpus, config.node_name)
         self._gpus = self.inventory.gpus()
         broker = Broker(

@@ -77,12 +77,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "its directory is mounted into pods",
     )  # fmt: skip
     broker.add_argument(
-        "--admin-socket", type=Path, metavar="PATH",
-        help=f"socket of kvshare ctl/top (default: {names.ADMIN_SOCKET_NAME} next to the broker)",
-    )  # fmt: skip
-    broker.add_argument(
-        "--state-file", type=Path, metavar="PATH",
-        help="restart file of the broker (default: broker.state next to the broker)",
+        "--admin-dir", type=Path, default=Path(names.ADMIN_DIR), metavar="DIR",
+        help=f"the agent's own directory, which no pod mounts: {names.ADMIN_SOCKET_NAME} (kvshare "
+        f"ctl/top) and {names.STATE_FILE_NAME} (the broker's restart file); made 0700 "
+        f"(default {names.ADMIN_DIR})",
     )  # fmt: skip
     broker.add_argument(
         "--broker-policy", choices=sorted(POLICIES), default=DEFAULT_POLICY, metavar="NAME",
@@ -183,8 +181,7 @@ def run(args: argparse.Namespace) -> int:
     config = AgentConfig.for_broker(
         node_name,
         args.broker_socket or Path(env.BROKER_SOCKET.require()),
-        admin_socket=args.admin_socket,
-        state_file=args.state_file,
+        admin_dir=args.admin_dir,
         node_config=selected.name if args.config is not None else None,
         node_config_problem=selected.problem,
         **settings,
@@ -204,7 +201,7 @@ def run(args: argparse.Namespace) -> int:
     agent = NodeAgent(config)
     try:
         agent.start()
-    except (InventoryError, BrokerError, OSError, ValueError) as exc:
+    except (InventoryError, BrokerError, OSError, ValueError) as exc:  # PrivateDirError too
         log.error("kvshare node cannot start: %s", exc)
         return 1
     log.info("stopping on %s", signal.Signals(signals.wait()).name)

@@ -270,7 +270,8 @@ def test_allocation_prefers_the_gpus_the_operator_planned(api: Emulator, short_t
     agent = NodeAgent(
         AgentConfig.for_broker(
             NODE,
-            short_tmp / "broker.sock",
+            short_tmp / "run" / "broker.sock",
+            admin_dir=short_tmp / "admin",
             fake_gpus="2x16Gi",
             device_plugin_dir=short_tmp / "dp",
             metrics_host="127.0.0.1",

@@ -30,7 +30,8 @@ def start_agent(directory: Path, plugin_dir: Path) -> NodeAgent:
     agent = NodeAgent(
         AgentConfig.for_broker(
             "test-node",
-            directory / "broker.sock",
+            directory / "run" / "broker.sock",
+            admin_dir=directory / "admin",
             fake_gpus="2x16Gi",
             device_plugin_dir=plugin_dir,
             metrics_host="127.0.0.1",
@@ -219,7 +220,8 @@ def test_sigterm_removes_the_plugin_sockets(short_tmp: Path) -> None:
     kubelet.start()
     agent = subprocess.Popen(
         [sys.executable, "-m", "kvshare.cli", "node", "--fake-gpus", "1x8Gi", "--no-kube",
-         "--broker-socket", str(short_tmp / "broker.sock"), "--device-plugin-dir",
+         "--broker-socket", str(short_tmp / "run" / "broker.sock"),
+         "--admin-dir", str(short_tmp / "admin"), "--device-plugin-dir",
          str(plugin_dir), "--metrics-address", "127.0.0.1:0"],
         cwd=ROOT, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
