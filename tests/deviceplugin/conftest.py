@@ -88,6 +88,7 @@ class AgentProcess:
         *,
         node_name: str = "test-node",
         kubeconfig: Path | None = None,
+        preexec_fn: Callable[[], None] | None = None,
     ) -> None:
         """``fake_gpus`` None: the GPUs come from the node's configuration (``--config``);
         ``kubeconfig`` None: no Kubernetes API."""
@@ -112,12 +113,18 @@ class AgentProcess:
         self.process: subprocess.Popen[str] | None = None
         self.log: list[str] = []
         self.metrics_port = 0
+        self._preexec_fn = preexec_fn
 
     def start(self) -> None:
         self.log = []
         self.metrics_port = 0
         self.process = subprocess.Popen(
-            self._args, cwd=ROOT, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True
+            self._args,
+            cwd=ROOT,
+            stderr=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            text=True,
+            preexec_fn=self._preexec_fn,  # noqa: PLW1509 - it only sets a resource limit
         )
         threading.Thread(target=self._collect, args=(self.process,), daemon=True).start()
         wait_until(self._started, 60, "kvshare node to start")
@@ -182,7 +189,8 @@ def agent_factory(short_tmp: Path) -> Iterator[Callable[..., AgentProcess]]:
 class PoolProcess:
     """A worker process (``kv_pool_proc.py``): a real KVPool leasing from the broker."""
 
-    def __init__(self, args: list[str]) -> None:
+    def __init__(self, args: list[str], preexec_fn: Callable[[], None] | None = None) -> None:
+        """``preexec_fn`` runs in the child before the worker starts (e.g. to enter a pod)."""
         self.process = subprocess.Popen(
             [sys.executable, "-m", "tests.deviceplugin.kv_pool_proc", *args],
             cwd=ROOT,
@@ -190,6 +198,7 @@ class PoolProcess:
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
+            preexec_fn=preexec_fn,  # noqa: PLW1509 - it only joins a cgroup and a namespace
         )
         hello = self._read()
         if "error" in hello:

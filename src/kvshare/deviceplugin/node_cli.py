@@ -10,7 +10,9 @@ from pathlib import Path
 from typing import Any
 
 from kvshare.api import env, names
+from kvshare.api.priorities import MAX_PRIORITY, PriorityCeilings, PriorityError
 from kvshare.api.quantity import QuantityError, parse_bytes
+from kvshare.deviceplugin.broker.connections.gate import BrokerLimits
 from kvshare.deviceplugin.broker.policy import DEFAULT_POLICY, POLICIES
 from kvshare.deviceplugin.cluster.node_config import (
     DEFAULT_CONFIG,
@@ -31,6 +33,12 @@ def _size(text: str) -> int:
         return parse_bytes(text, field="size")
     except QuantityError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a whole number >= 1")
+    return int(text)
 
 
 def _address(text: str) -> tuple[str, int]:
@@ -104,6 +112,41 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--audit-interval", type=float, default=2.0, metavar="SECONDS",
         help="how often pools are checked against the device (default 2)",
     )  # fmt: skip
+    limits = parser.add_argument_group(
+        "limits", "what one pod, and all of them, may hold open (a pod's processes count as one)"
+    )
+    defaults = BrokerLimits()
+    limits.add_argument(
+        "--max-connections", type=_positive, default=defaults.max_connections, metavar="N",
+        help="broker connections in all (also bounded by the open-files limit; default "
+        f"{defaults.max_connections})",
+    )  # fmt: skip
+    limits.add_argument(
+        "--max-connections-per-pod", type=_positive, default=defaults.max_connections_per_pod,
+        metavar="N",
+        help=f"broker connections per pod (default {defaults.max_connections_per_pod})",
+    )  # fmt: skip
+    limits.add_argument(
+        "--max-pools-per-pod", type=_positive, default=defaults.max_pools_per_pod, metavar="N",
+        help=f"KV pools per pod (default {defaults.max_pools_per_pod})",
+    )  # fmt: skip
+    limits.add_argument(
+        "--hello-deadline", type=float, default=defaults.hello_deadline_s, metavar="SECONDS",
+        help="time a new connection has to say what it is for (default "
+        f"{defaults.hello_deadline_s:g})",
+    )  # fmt: skip
+    priorities = parser.add_argument_group(
+        "KV priorities", "the highest kvCache.priority each namespace may use (the chart's "
+        "kvPriority); a pool asking for more runs at its namespace's ceiling",
+    )  # fmt: skip
+    priorities.add_argument(
+        "--kv-priority-default", default=str(MAX_PRIORITY), metavar="N",
+        help=f"ceiling of every namespace not named (default {MAX_PRIORITY}: none)",
+    )  # fmt: skip
+    priorities.add_argument(
+        "--kv-priority", action="append", default=[], metavar="NAMESPACE=N",
+        help="ceiling of one namespace (repeatable)",
+    )  # fmt: skip
     kube = parser.add_argument_group("Kubernetes")
     kube.add_argument(
         "--node-name", default=None, metavar="NAME",
@@ -118,10 +161,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="answer Allocate with CDI devices of this kind (e.g. nvidia.com/gpu) instead of "
         "NVIDIA_VISIBLE_DEVICES",
     )  # fmt: skip
+    kube.add_argument(
+        "--pod-resources-socket", type=Path, default=Path(names.POD_RESOURCES_SOCKET),
+        metavar="PATH",
+        help="the kubelet's PodResources API, which says which slots each pod got (default "
+        f"{names.POD_RESOURCES_SOCKET})",
+    )  # fmt: skip
     kube.add_argument("--kubeconfig", metavar="PATH", help="kubeconfig outside a cluster")
     kube.add_argument(
         "--no-kube", action="store_true",
-        help="do not use the Kubernetes API (no KVShareNode, no pending-pod lookup)",
+        help="do not use the Kubernetes API (no KVShareNode, no pod watch): pools cannot be "
+        "verified and are taken at their word; outside a cluster only",
     )  # fmt: skip
     kube.add_argument(
         "--publish-interval", type=float, default=10.0, metavar="SECONDS",
@@ -175,7 +225,8 @@ def run(args: argparse.Namespace) -> int:
     node_name = args.node_name or socket.gethostname()
     try:
         settings, selected = _settings(args, node_name)
-    except NodeConfigError as exc:
+        ceilings = PriorityCeilings.parse_flags(args.kv_priority_default, args.kv_priority)
+    except (NodeConfigError, PriorityError) as exc:
         log.error("kvshare node cannot start: %s", exc)
         return 1
     config = AgentConfig.for_broker(
@@ -196,6 +247,14 @@ def run(args: argparse.Namespace) -> int:
         startup_hold_s=args.startup_hold,
         recovery_s=args.recovery,
         audit_interval_s=args.audit_interval,
+        pod_resources_socket=args.pod_resources_socket,
+        limits=BrokerLimits(
+            max_connections=args.max_connections,
+            max_connections_per_pod=args.max_connections_per_pod,
+            max_pools_per_pod=args.max_pools_per_pod,
+            hello_deadline_s=args.hello_deadline,
+        ),
+        priority_ceilings=ceilings,
     )
     signals = StopSignals()
     agent = NodeAgent(config)

@@ -199,6 +199,15 @@ class NodeMetrics(BrokerEvents):
             "identity).",
             "kind",
         )
+        self.trust_refusals = self._counter(
+            "kvshare_broker_trust_refusals",
+            "Connections refused for who they are or what they would hold, by reason: no-pod "
+            "(the process runs in no pod of this node), pod-uid (another pod's UID, or none), "
+            "unknown-pod, names (namespace, pod or ModelServer not the pod's), gpu (not one "
+            "of the pod's slots), memory (beyond the pod's kvshare.io/gpu-memory request), "
+            "limit (connections), pool-limit, deadline (no first message in time).",
+            "reason",
+        )
         self.plugin_registered = Gauge(
             "kvshare_deviceplugin_registered",
             "1 while the resource is registered with the kubelet.",
@@ -309,6 +318,10 @@ class NodeMetrics(BrokerEvents):
     def protocol_error(self, kind: str) -> None:
         """Count a connection closed for a protocol error of ``kind`` (a fixed set)."""
         self.protocol_errors.labels(kind).inc()
+
+    def trust_refused(self, reason: str) -> None:
+        """Count a connection refused by a check of its pod or its limits (a fixed set)."""
+        self.trust_refusals.labels(reason).inc()
 
 
 def registry() -> CollectorRegistry:
