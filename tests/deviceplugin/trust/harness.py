@@ -177,6 +177,17 @@ class Pod:
         assert line, f"tenant {args[0]} died: {process.stderr.read() if process.stderr else ''}"
         return process, json.loads(line)
 
+    @staticmethod
+    def release(process: subprocess.Popen[str]) -> None:
+        """End a held command and every process it forked (they wait for stdin's end)."""
+        if process.stdin is not None:
+            process.stdin.close()
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(10)
+
     def frames(self, *bodies: dict[str, Any], wait: float = 5.0) -> dict[str, Any]:
         """Send ``bodies`` on one connection to the broker; the replies."""
         return self.ask("frames", str(self.node.agent.broker_socket), json.dumps(bodies),

@@ -6,8 +6,8 @@ raw conversations with the node agent's sockets, one JSON line of results on std
   ``{"replies": [...], "closed": bool}``; with ``--hold`` it then keeps the connection
   open until stdin closes;
 - ``connect SOCKET N``: opens N connections and says nothing on them; after ``--wait``
-  seconds: ``{"open": n, "refused": n, "reasons": [...first few...]}``; holds them until
-  stdin closes;
+  seconds: ``{"open": n, "refused": {label: n}, "reasons": [...first few...]}`` (a
+  refusal's label is its reason up to the first ``:``); holds them until stdin closes;
 - ``pools SOCKET HELLO N``: forks N processes, each saying HELLO (its pod name suffixed)
   and holding its pool: ``{"welcome": n, "refused": n, "reasons": [...]}``; holds until
   stdin closes;
@@ -85,7 +85,8 @@ def _connect(args: argparse.Namespace) -> dict[str, Any]:
             continue
         held.append(sock)
     time.sleep(args.wait)
-    refused, reasons = 0, []
+    refused: dict[str, int] = {}
+    reasons: list[str] = []
     poller = select.poll()
     for sock in held:
         poller.register(sock, select.POLLIN | select.POLLHUP)
@@ -94,10 +95,13 @@ def _connect(args: argparse.Namespace) -> dict[str, Any]:
         if sock.fileno() in ready:
             replies, closed = read_replies(sock, 0.01)
             if closed or replies:
-                refused += 1
-                if replies and len(reasons) < 3:
-                    reasons.append(replies[0].get("reason", ""))
-    print(json.dumps({"open": len(held) - refused, "refused": refused, "reasons": reasons}),
+                reason = str(replies[0].get("reason", "")) if replies else "closed"
+                label = reason.split(":", 1)[0]
+                refused[label] = refused.get(label, 0) + 1
+                if len(reasons) < 3:
+                    reasons.append(reason)
+    gone = sum(refused.values())
+    print(json.dumps({"open": len(held) - gone, "refused": refused, "reasons": reasons}),
           flush=True)  # fmt: skip
     sys.stdin.read()
     return {}

@@ -7,7 +7,8 @@ connecting process runs in, from its cgroup), never per process. Without Kuberne
 - connections: at most ``max_connections_per_pod`` per pod, and ``max_connections`` in
   all, never more than the agent's file descriptors allow with room to spare for the
   metrics endpoint, the kubelet and pidfds (:func:`fd_budget`); a connection over a
-  limit is told so and closed at once;
+  limit is told so and closed at once. The admin socket's connections (:data:`ADMIN`)
+  are not counted in all: no flood of pods keeps the node's operators out;
 - pools: at most ``max_pools_per_pod`` per pod (a pool re-declaring replaces its own);
 - the first message: a connection that has not said what it is for within
   ``hello_deadline_s`` is closed (idle connections cost a file descriptor each);
@@ -28,7 +29,10 @@ from dataclasses import dataclass
 from kvshare.api.wire import Hello
 from kvshare.deviceplugin.broker.records import PoolRecord
 
-__all__ = ["BrokerLimits", "ConnectionGate", "fd_budget"]
+__all__ = ["ADMIN", "BrokerLimits", "ConnectionGate", "fd_budget"]
+
+#: The tenant of the admin socket's connections.
+ADMIN = "admin"
 
 #: File descriptors kept for everything but the broker's connections: the metrics
 #: endpoint and its scrapers, the device plugin's gRPC servers, the state file, logs.
@@ -74,7 +78,7 @@ class ConnectionGate:
 
     def refusal(self, tenant: str) -> str | None:
         """Why ``tenant`` may not open another connection now (None: it may)."""
-        if self._total >= self.max_connections:
+        if tenant != ADMIN and self._total >= self.max_connections:
             return (
                 f"limit: the node agent serves at most {self.max_connections} connections; "
                 "try again later"
@@ -89,7 +93,7 @@ class ConnectionGate:
     def opened(self, conn_id: int, tenant: str, now: float) -> None:
         """A connection of ``tenant`` was accepted; its first message is due in time."""
         self._connections[tenant] += 1
-        self._total += 1
+        self._total += tenant != ADMIN
         self._deadlines.append((now + self.limits.hello_deadline_s, conn_id))
 
     def closed(self, tenant: str) -> None:
@@ -99,7 +103,7 @@ class ConnectionGate:
             self._connections[tenant] = left
         else:
             self._connections.pop(tenant, None)
-        self._total -= 1
+        self._total -= tenant != ADMIN
 
     def overdue(self, now: float) -> list[int]:
         """Connections whose first message was due by ``now`` (the caller skips those
@@ -111,7 +115,7 @@ class ConnectionGate:
 
     @property
     def total(self) -> int:
-        """Connections open."""
+        """Connections open (the admin socket's apart)."""
         return self._total
 
     # --- pools --------------------------------------------------------------------------

@@ -24,9 +24,9 @@ from pathlib import Path
 
 from kvshare.api.wire import BROKER_CODEC, Refused
 from kvshare.deviceplugin.broker import peers
-from kvshare.deviceplugin.broker.connections import sockets
+from kvshare.deviceplugin.broker.connections import admin_requests, sockets
 from kvshare.deviceplugin.broker.connections.conn import Conn
-from kvshare.deviceplugin.broker.connections.gate import ConnectionGate
+from kvshare.deviceplugin.broker.connections.gate import ADMIN, ConnectionGate
 from kvshare.deviceplugin.broker.identity import Refusal
 from kvshare.deviceplugin.broker.throttle import ThrottledLog
 from kvshare.deviceplugin.broker.verification import Tenant, Verifier
@@ -102,8 +102,15 @@ class Listeners:
                     continue
                 tenant = Refusal("limit", problem)
             self._refused(peer.pid, tenant)
+            answer = (
+                admin_requests.ADMIN_CODEC.encode(
+                    admin_requests.AdminReply(ok=False, error=tenant.message)
+                )
+                if kind == "admin"
+                else BROKER_CODEC.encode(Refused(reason=tenant.message))
+            )
             with contextlib.suppress(OSError):
-                sock.send(BROKER_CODEC.encode(Refused(reason=tenant.message)))
+                sock.send(answer)
             sock.close()
 
     def resume(self, now: float) -> None:
@@ -126,7 +133,7 @@ class Listeners:
         """Whom a new connection belongs to (the admin socket's peers are checked on
         every request instead)."""
         if kind == "admin":
-            return Tenant("admin")
+            return Tenant(ADMIN)
         pidfd = peers.peer_pidfd(sock)
         try:
             return self._verifier.tenant(peer, pidfd)
