@@ -103,14 +103,10 @@ def test_out_of_files_without_kubernetes_the_agent_serves_and_logs_a_bounded_num
     try:
 
         def attack() -> list[subprocess.Popen[str]]:  # three processes, 60 idle each
+            command = [sys.executable, "-c", IDLE, str(agent.broker_socket), "60"]
+            pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE}
             holders = [
-                subprocess.Popen(
-                    [sys.executable, "-c", IDLE, str(agent.broker_socket), "60"],
-                    cwd=ROOT,
-                    stdin=subprocess.PIPE,
-                    stdout=subprocess.PIPE,
-                    text=True,
-                )  # fmt: skip
+                subprocess.Popen(command, cwd=ROOT, text=True, **pipes)  # type: ignore[call-overload]
                 for _ in range(3)
             ]
             for holder in holders:
