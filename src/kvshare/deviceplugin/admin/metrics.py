@@ -205,7 +205,8 @@ class NodeMetrics(BrokerEvents):
             "(the process runs in no pod of this node), pod-uid (another pod's UID, or none), "
             "unknown-pod, names (namespace, pod or ModelServer not the pod's), gpu (not one "
             "of the pod's slots), memory (beyond the pod's kvshare.io/gpu-memory request), "
-            "limit (connections), pool-limit, deadline (no first message in time).",
+            "limit (connections), pool-limit, deadline (no first message in time), admin (an "
+            "admin request from outside the agent's container).",
             "reason",
         )
         self.plugin_registered = Gauge(

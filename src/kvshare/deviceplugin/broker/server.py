@@ -464,6 +464,7 @@ class Broker:
         problem = auth.admin_problem(conn.peer)
         sends: list[Send] = []
         if problem is not None:
+            self._count_refusal(conn.peer.pid, Refusal("admin", problem))
             reply = admin_requests.AdminReply(ok=False, error=problem)
         else:
             with self._lock:
