@@ -33,8 +33,11 @@ def frame(body: dict[str, Any]) -> bytes:
     return struct.pack(">I", len(payload)) + payload
 
 
-def read_replies(sock: socket.socket, wait_s: float) -> tuple[list[dict[str, Any]], bool]:
-    """The frames the agent sends within ``wait_s`` and whether it closed the connection."""
+def read_replies(
+    sock: socket.socket, wait_s: float, enough: int = 0
+) -> tuple[list[dict[str, Any]], bool]:
+    """The frames the agent sends within ``wait_s`` (or until ``enough`` came) and whether
+    it closed the connection."""
     sock.settimeout(wait_s)
     received, closed = b"", False
     deadline = time.monotonic() + wait_s
@@ -45,6 +48,8 @@ def read_replies(sock: socket.socket, wait_s: float) -> tuple[list[dict[str, Any
                 closed = True
                 break
             received += chunk
+            if enough and _count(received) >= enough:
+                break
     except TimeoutError:
         pass
     except ConnectionResetError:  # closed with what this side sent still unread
@@ -57,6 +62,16 @@ def read_replies(sock: socket.socket, wait_s: float) -> tuple[list[dict[str, Any
     return replies, closed
 
 
+def _count(received: bytes) -> int:
+    count, offset = 0, 0
+    while offset + 4 <= len(received):
+        (length,) = struct.unpack_from(">I", received, offset)
+        if offset + 4 + length > len(received):
+            break
+        count, offset = count + 1, offset + 4 + length
+    return count
+
+
 def _frames(args: argparse.Namespace) -> dict[str, Any]:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.connect(args.socket)
@@ -65,7 +80,7 @@ def _frames(args: argparse.Namespace) -> dict[str, Any]:
             sock.sendall(frame(body))
         except OSError:  # refused before it was read: the refusal waits to be read
             break
-    replies, closed = read_replies(sock, args.wait)
+    replies, closed = read_replies(sock, args.wait, args.replies)
     result = {"replies": replies, "closed": closed}
     if not args.hold:
         return result
@@ -159,6 +174,7 @@ def main() -> int:
     frames.add_argument("bodies")
     frames.add_argument("--wait", type=float, default=5.0)
     frames.add_argument("--hold", action="store_true")
+    frames.add_argument("--replies", type=int, default=0, help="stop reading after so many")
     connect = commands.add_parser("connect")
     connect.add_argument("socket")
     connect.add_argument("count", type=int)
