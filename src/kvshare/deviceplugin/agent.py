@@ -28,6 +28,7 @@ from kvshare.api.quantity import format_bytes_human
 from kvshare.deviceplugin.admin import private_dir
 from kvshare.deviceplugin.admin.metrics import MetricsServer, NodeMetrics
 from kvshare.deviceplugin.broker.audit import Auditor
+from kvshare.deviceplugin.broker.enforcement import EnforcementConfig, LeaseEnforcer
 from kvshare.deviceplugin.broker.policy import DEFAULT_POLICY
 from kvshare.deviceplugin.broker.server import Broker, BrokerConfig, BrokerLimits
 from kvshare.deviceplugin.inventory import GpuInfo, Inventory, open_inventory
@@ -70,6 +71,8 @@ class AgentConfig:
     limits: BrokerLimits = field(default_factory=BrokerLimits)
     priority_ceilings: PriorityCeilings = field(default_factory=PriorityCeilings)
     """The highest KV priority each namespace may use (the chart's ``kvPriority``)."""
+    enforcement: EnforcementConfig = field(default_factory=EnforcementConfig)
+    """How leases are enforced where the device reports per-process memory (NVML)."""
 
     @property
     def admin_socket(self) -> Path:
@@ -178,12 +181,19 @@ class NodeAgent:
         )
         self.metrics_server.start()
         inventory = self.inventory
+        enforce = None
+        if inventory.backend == "cuda":  # NVML tells each process's device memory
+            from kvshare.deviceplugin.lease_enforcement import OveruseHandler
+
+            enforcer = LeaseEnforcer(config.enforcement)
+            enforce = OveruseHandler(enforcer, broker, self.metrics, self._api, config.node_name)
         self._auditor = Auditor(
             broker.view,
             broker.record_audit,
             inventory.backend,
             inventory.process_memory,
             interval_s=config.audit_interval_s,
+            on_findings=enforce,
         )
         self._auditor.start()
         self._start_kube()

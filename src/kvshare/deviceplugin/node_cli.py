@@ -13,6 +13,7 @@ from kvshare.api import env, names
 from kvshare.api.priorities import MAX_PRIORITY, PriorityCeilings, PriorityError
 from kvshare.api.quantity import QuantityError, parse_bytes
 from kvshare.deviceplugin.broker.connections.gate import BrokerLimits
+from kvshare.deviceplugin.broker.enforcement import EnforcementConfig
 from kvshare.deviceplugin.broker.policy import DEFAULT_POLICY, POLICIES
 from kvshare.deviceplugin.cluster.node_config import (
     DEFAULT_CONFIG,
@@ -111,6 +112,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     broker.add_argument(
         "--audit-interval", type=float, default=2.0, metavar="SECONDS",
         help="how often pools are checked against the device (default 2)",
+    )  # fmt: skip
+    enforcement = parser.add_argument_group(
+        "lease enforcement",
+        "on GPUs, a pool's process holding more device memory (NVML) than its charge plus the "
+        "tolerance gets a Warning Event, a metric and a reclaim; one that keeps on is evicted",
+    )
+    enforcement.add_argument(
+        "--overuse-tolerance", type=_size, default=EnforcementConfig().tolerance, metavar="SIZE",
+        help="device memory above the charge that is not yet overuse (default 256Mi)",
+    )  # fmt: skip
+    enforcement.add_argument(
+        "--overuse-evict-after", type=int, default=EnforcementConfig().evict_after, metavar="N",
+        help="audits in a row over before the pod is evicted; 0: never (default "
+        f"{EnforcementConfig().evict_after})",
     )  # fmt: skip
     limits = parser.add_argument_group(
         "limits", "what one pod, and all of them, may hold open (a pod's processes count as one)"
@@ -255,6 +270,9 @@ def run(args: argparse.Namespace) -> int:
             hello_deadline_s=args.hello_deadline,
         ),
         priority_ceilings=ceilings,
+        enforcement=EnforcementConfig(
+            tolerance=args.overuse_tolerance, evict_after=max(args.overuse_evict_after, 0)
+        ),
     )
     signals = StopSignals()
     agent = NodeAgent(config)

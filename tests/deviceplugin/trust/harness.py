@@ -87,6 +87,17 @@ def _unshare_mount_namespace() -> None:
         raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWNS)")
 
 
+def entering(cgroup: Path) -> Callable[[], None]:
+    """A preexec function: the child joins the pod cgroup ``cgroup`` and takes a mount
+    namespace of its own, as a container's process does."""
+
+    def enter() -> None:
+        (cgroup / "cgroup.procs").write_text(str(os.getpid()))
+        _unshare_mount_namespace()
+
+    return enter
+
+
 class Cluster:
     """kmock's emulator over HTTP on a thread of its own."""
 
@@ -147,8 +158,7 @@ class Pod:
     def enter(self) -> None:
         """Run in a child process before it starts: join the pod's cgroup and take a
         mount namespace of its own, as a container's process does."""
-        (self.cgroup / "cgroup.procs").write_text(str(os.getpid()))
-        _unshare_mount_namespace()
+        entering(self.cgroup)()
 
     def run(self, *args: str) -> subprocess.Popen[str]:
         """A process of this pod: ``python -m tests.deviceplugin.trust.tenant ARGS``."""

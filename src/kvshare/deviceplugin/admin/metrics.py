@@ -209,6 +209,14 @@ class NodeMetrics(BrokerEvents):
             "admin request from outside the agent's container).",
             "reason",
         )
+        self.lease_overuse = self._counter(
+            "kvshare_broker_lease_overuse",
+            "Audits that found a pool's process holding more device memory than its charge "
+            "plus the tolerance (NVML), by action: reclaim (the excess is reclaimed) or evict "
+            "(it kept on; the pod is evicted).",
+            "gpu",
+            "action",
+        )
         self.plugin_registered = Gauge(
             "kvshare_deviceplugin_registered",
             "1 while the resource is registered with the kubelet.",
@@ -319,6 +327,10 @@ class NodeMetrics(BrokerEvents):
     def protocol_error(self, kind: str) -> None:
         """Count a connection closed for a protocol error of ``kind`` (a fixed set)."""
         self.protocol_errors.labels(kind).inc()
+
+    def lease_overused(self, gpu: str, *, evicted: bool) -> None:
+        """Count an audit that found a pool over its charge (and whether it is evicted)."""
+        self.lease_overuse.labels(gpu, "evict" if evicted else "reclaim").inc()
 
     def trust_refused(self, reason: str) -> None:
         """Count a connection refused by a check of its pod or its limits (a fixed set)."""

@@ -172,6 +172,11 @@ class PoolRecord:
         """Physical bytes the pool last reported holding."""
         return self.usage.held
 
+    def charged_bytes(self) -> int:
+        """What the broker counts as taken from the GPU for the pool: the one figure the
+        audit and lease enforcement hold the device's own figure against."""
+        return self.charge
+
     def view(self, now: float) -> PoolView:
         """The pool as plain values."""
         hello = self.hello
@@ -194,7 +199,7 @@ class PoolRecord:
             kv_min=self.kv_min,
             kv_max=self.kv_max,
             lease=self.lease,
-            charged=self.charge,
+            charged=self.charged_bytes(),
             want=self.want,
             mapped=self.usage.mapped,
             used=self.usage.used,

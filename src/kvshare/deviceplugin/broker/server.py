@@ -19,15 +19,10 @@ protocol (see :mod:`kvshare.api.wire`: every value is checked as it is decoded) 
 that one connection; it is counted, and logged at a bounded rate.
 
 Every connection belongs to a tenant, the pod its process runs in (:mod:`.verification`):
-limits count per pod and in all (:mod:`.connections.gate`), and under Kubernetes a first
-message is checked against what the pod was given before it reaches the books
-(:mod:`.identity`); one whose pod is not known yet waits for it, briefly.
-
-This module is the loop and the order of things; the parts it drives are elsewhere: the
-connections and their outboxes, the listening sockets, the limits, who may send admin
-requests and the admin requests (:mod:`.connections`), the watched processes
-(:mod:`.connections.pidfds`), the restart file (:mod:`.state`) and the pods' policies
-changed in place (:mod:`.overrides`).
+limits count per pod and in all (:mod:`.connections.gate`); under Kubernetes a first
+message is checked against what the pod was given (:mod:`.identity`), waiting briefly for
+a pod not known yet. This module is the loop and the order of things; the parts it drives
+are in :mod:`.connections`, :mod:`.state` and :mod:`.overrides`.
 """
 
 from __future__ import annotations
@@ -57,7 +52,7 @@ from kvshare.api.wire import (
 )
 from kvshare.deviceplugin.broker import peers, pool_messages
 from kvshare.deviceplugin.broker.books import Books, BrokerEvents, Send
-from kvshare.deviceplugin.broker.connections import admin_requests, auth, sockets
+from kvshare.deviceplugin.broker.connections import admin_requests, sockets
 from kvshare.deviceplugin.broker.connections.conn import Conn
 from kvshare.deviceplugin.broker.connections.gate import BrokerLimits, ConnectionGate
 from kvshare.deviceplugin.broker.connections.listeners import Listeners
@@ -142,6 +137,8 @@ class Broker:
         self._listeners = Listeners(self._selector, self._gate, self._verifier, self._count_refusal)
         # Connections whose first message waits for its pod to be known.
         self._verifying: dict[int, Conn] = {}
+        # Reclaims asked for by lease enforcement (under _lock), made by the loop thread.
+        self._overuse: list[tuple[int, int]] = []
 
     # --- lifecycle ----------------------------------------------------------------------
 
@@ -220,6 +217,13 @@ class Broker:
                     flagged.append(record.name if record else str(pool_id))
         return flagged
 
+    def reclaim_overuse(self, pool_id: int, excess: int) -> None:
+        """Reclaim ``excess`` bytes of pool ``pool_id``'s lease, which its process holds
+        beyond its charge on the device (lease enforcement); done by the loop thread."""
+        with self._lock:
+            self._overuse.append((pool_id, excess))
+        self._wake()
+
     def set_pod_policy(self, pod_uid: str, policy: PodPolicy | None) -> None:
         """Pod ``pod_uid``'s annotated KV policy (from the pod watch): applied to its pools
         now and to the pools it opens later; ``None``: the pod is gone."""
@@ -229,8 +233,7 @@ class Broker:
             self._wake()
 
     def set_pod_directory(self, directory: PodDirectory) -> None:
-        """Where the broker learns what the pods of this node are and were given (the
-        node agent's pod watch and kubelet); used when ``config.verify`` is set."""
+        """What the pods of this node are and were given (used with ``config.verify``)."""
         self._verifier.directory = directory
 
     def pods_changed(self) -> None:
@@ -291,6 +294,7 @@ class Broker:
                     elif kind == "wake":
                         sockets.drain(self._wake_r)
                         self._apply_pod_policies()
+                        self._apply_overuse()
                         self._retry_waiting(time.monotonic())
                 except Exception:
                     # One bad event must never take the broker down.
@@ -448,6 +452,14 @@ class Broker:
         )
         self._deliver(admission.sends)
 
+    def _apply_overuse(self) -> None:
+        sends: list[Send] = []
+        with self._lock:
+            for pool_id, excess in self._overuse:
+                sends += self._books.reclaim_overuse(pool_id, excess, time.monotonic())
+            self._overuse = []
+        self._deliver(sends)
+
     def _apply_pod_policies(self) -> None:
         """Apply the pods' changed KV policies to their pools (loop thread)."""
         with self._lock:
@@ -459,16 +471,10 @@ class Broker:
         self._deliver(sends)
 
     def _admin(self, conn: Conn, message: Message, now: float) -> None:
-        if not isinstance(message, admin_requests.AdminRequest):
-            raise ProtocolError(f"{message.TYPE!r} is not an admin request")
-        problem = auth.admin_problem(conn.peer)
-        sends: list[Send] = []
+        with self._lock:
+            reply, sends, problem = admin_requests.answer(self._books, message, conn.peer, now)
         if problem is not None:
             self._count_refusal(conn.peer.pid, Refusal("admin", problem))
-            reply = admin_requests.AdminReply(ok=False, error=problem)
-        else:
-            with self._lock:
-                reply, sends = admin_requests.execute(self._books, message, now)
         self._send(conn, reply, admin_requests.ADMIN_CODEC)
         self._deliver(sends)
 
