@@ -89,6 +89,7 @@ class AgentProcess:
         node_name: str = "test-node",
         kubeconfig: Path | None = None,
         preexec_fn: Callable[[], None] | None = None,
+        env: dict[str, str] | None = None,
     ) -> None:
         """``fake_gpus`` None: the GPUs come from the node's configuration (``--config``);
         ``kubeconfig`` None: no Kubernetes API."""
@@ -114,6 +115,7 @@ class AgentProcess:
         self.log: list[str] = []
         self.metrics_port = 0
         self._preexec_fn = preexec_fn
+        self._env = env
 
     def start(self) -> None:
         self.log = []
@@ -125,6 +127,7 @@ class AgentProcess:
             stdout=subprocess.DEVNULL,
             text=True,
             preexec_fn=self._preexec_fn,  # noqa: PLW1509 - it only sets a resource limit
+            env=self._env,
         )
         threading.Thread(target=self._collect, args=(self.process,), daemon=True).start()
         wait_until(self._started, 60, "kvshare node to start")

@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import urllib.error
 import urllib.request
 import uuid
@@ -35,15 +36,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import aiohttp.web
+import attrs
 import kmock
 
 from kvshare.api import names
 from kvshare.deviceplugin.broker.views import PoolView
+from kvshare.deviceplugin.inventory import GpuInfo
 from kvshare.deviceplugin.kubelet.kubelet_standin import StandInKubelet
 from kvshare.deviceplugin.kubelet.slots import split_id
 from tests.deviceplugin.conftest import ROOT, AgentProcess, PoolProcess
 from tests.operator.harness import write_kubeconfig
-from tests.operator.kube import KubeCluster, declare_resources
+from tests.operator.kube import ApiCall, KubeCluster, declare_resources
 from tests.polling import wait_until
 
 NODE = "gpu-node-1"
@@ -98,11 +102,32 @@ def entering(cgroup: Path) -> Callable[[], None]:
     return enter
 
 
+@attrs.define(kw_only=True)
+class NodeCluster(KubeCluster):
+    """The emulated API, with the Eviction API a node agent uses: an eviction (no
+    PodDisruptionBudget here) deletes the pod, as the API server does."""
+
+    async def _handle(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
+        if request.subresource == "eviction" and request.method == kmock.method.POST:
+            call = ApiCall("create", "", "pods/eviction", request.namespace, request.name,
+                           request.headers.get("User-Agent", ""), time.monotonic())  # fmt: skip
+            self.api_calls.append(call)
+            deletion = attrs.evolve(
+                request, method=kmock.method.DELETE, action=kmock.action.DELETE,
+                subresource=None, data=None,
+            )  # fmt: skip
+            await super()._handle(deletion)
+            return aiohttp.web.json_response(
+                {"apiVersion": "v1", "kind": "Status", "status": "Success"}, status=201
+            )
+        return await super()._handle(request)
+
+
 class Cluster:
     """kmock's emulator over HTTP on a thread of its own."""
 
     def __init__(self) -> None:
-        self.kube = KubeCluster()
+        self.kube = NodeCluster()
         declare_resources(self.kube)
         self.url = ""
         self._ready = threading.Event()
@@ -234,9 +259,14 @@ class GpuNode:
         directory: Path,
         cgroups: Path,
         agent_flags: list[str],
+        *,
         agent_preexec: Callable[[], None] | None = None,
         fake_gpus: str = "2x8Gi",
+        nvml: list[GpuInfo] | None = None,
     ) -> None:
+        """``nvml``: the GPUs of a fake NVML the agent reads instead of ``fake_gpus``
+        (:mod:`tests.deviceplugin.fake_nvml.pynvml`); :meth:`set_device_memory` sets what
+        it reports per process."""
         self.directory = directory
         self.cgroups = cgroups
         self.cluster = Cluster()
@@ -246,6 +276,8 @@ class GpuNode:
         self._flags = agent_flags
         self._preexec = agent_preexec
         self._fake_gpus = fake_gpus
+        self._nvml = nvml
+        self._nvml_state = directory / "nvml.json"
         self.agent: AgentProcess
         self.pods: list[Pod] = []
         self.processes: list[subprocess.Popen[str]] = []
@@ -257,18 +289,45 @@ class GpuNode:
         self.cluster.request("POST", "/api/v1/nodes", {"metadata": {"name": NODE}})
         self.kubelet.start()
         kubeconfig = write_kubeconfig(self.directory / "kubeconfig", self.cluster.url)
+        environment = None
+        if self._nvml is not None:
+            self.set_device_memory({})
+            fake = str(Path(__file__).resolve().parents[1] / "fake_nvml")
+            path = os.pathsep.join([fake, os.environ.get("PYTHONPATH", "")])
+            environment = {
+                **os.environ,
+                "KVSHARE_TEST_FAKE_NVML": str(self._nvml_state),
+                "PYTHONPATH": path,
+            }
         self.agent = AgentProcess(
             self.directory,
-            self._fake_gpus,
+            None if self._nvml is not None else self._fake_gpus,
             ["--device-plugin-dir", str(self.directory / "dp"),
              "--pod-resources-socket", str(self.directory / "pr" / "kubelet.sock"),
              "--publish-interval", "0.5", *self._flags],
             node_name=NODE,
             kubeconfig=kubeconfig,
             preexec_fn=self._preexec,
+            env=environment,
         )  # fmt: skip
+        if self._nvml is not None:
+            self.agent.gpus = list(self._nvml)
         self.agent.start()
         assert self.kubelet.wait_registered(names.RESOURCE_GPU, timeout=60)
+
+    def set_device_memory(self, held: dict[tuple[str, int], int]) -> None:
+        """What the fake NVML reports: device bytes by (GPU UUID, pid)."""
+        assert self._nvml is not None
+        processes: dict[str, dict[str, int]] = {}
+        for (gpu, pid), nbytes in held.items():
+            processes.setdefault(gpu, {})[str(pid)] = nbytes
+        state = {
+            "gpus": [{"uuid": g.uuid, "name": g.name, "total": g.total_bytes} for g in self._nvml],
+            "processes": processes,
+        }
+        temporary = self._nvml_state.with_suffix(".tmp")
+        temporary.write_text(json.dumps(state), encoding="utf-8")
+        os.replace(temporary, self._nvml_state)
 
     def stop(self) -> None:
         for process in self.processes:
