@@ -118,6 +118,11 @@ class AgentProcess:
         self._env = env
 
     def start(self) -> None:
+        self.launch()
+        wait_until(self._started, 60, "kvshare node to start")
+
+    def launch(self) -> None:
+        """Start the process and collect its log, without waiting for it to serve."""
         self.log = []
         self.metrics_port = 0
         self.process = subprocess.Popen(
@@ -130,7 +135,6 @@ class AgentProcess:
             env=self._env,
         )
         threading.Thread(target=self._collect, args=(self.process,), daemon=True).start()
-        wait_until(self._started, 60, "kvshare node to start")
 
     def _collect(self, process: subprocess.Popen[str]) -> None:
         assert process.stderr is not None

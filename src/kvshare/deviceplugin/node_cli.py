@@ -15,6 +15,7 @@ from kvshare.api.quantity import QuantityError, parse_bytes
 from kvshare.deviceplugin.broker.connections.gate import BrokerLimits
 from kvshare.deviceplugin.broker.enforcement import EnforcementConfig
 from kvshare.deviceplugin.broker.policy import DEFAULT_POLICY, POLICIES
+from kvshare.deviceplugin.cluster.node_checks import NodeFacts
 from kvshare.deviceplugin.cluster.node_config import (
     DEFAULT_CONFIG,
     DEFAULT_LABEL,
@@ -199,17 +200,71 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
-def _settings(args: argparse.Namespace, node_name: str) -> tuple[dict[str, Any], SelectedConfig]:
-    """AgentConfig fields from the flags over the node's configuration (if any), and the
-    configuration chosen. Raises NodeConfigError for a file that cannot be used."""
-    from kvshare.deviceplugin.agent import kube_api_client
+#: Longest wait between two reads of a Node that cannot be read.
+_NODE_RETRY_MAX_S = 30.0
+
+
+def _wait_for_node(
+    api: Any, node_name: str, signals: StopSignals, address: tuple[str, int]
+) -> NodeFacts | None:
+    """The Node, read again with back-off until it can be (None: stopped meanwhile).
+
+    Which configuration the node runs (slots, headroom, fake GPUs) is on its label: rather
+    than run the default and advertise slots the node may not have, the agent advertises
+    nothing until it knows. Meanwhile its endpoint answers the probes: alive, not ready,
+    and why.
+    """
+    from kvshare.deviceplugin.admin.metrics import MetricsServer, NodeMetrics
     from kvshare.deviceplugin.cluster.node_checks import read_node
+
+    facts = read_node(api, node_name)
+    if facts is not None:
+        return facts
+    waiting = f"waiting to read Node {node_name} for its configuration (its label)"
+    server = MetricsServer(
+        address[0], address[1], NodeMetrics(), lambda: (True, waiting), lambda: (False, waiting)
+    )
+    server.start()
+    log.warning(
+        "%s: no GPU slot is advertised until then; /readyz answers 503 on %s:%d",
+        waiting,
+        address[0],
+        server.port,
+    )
+    delay = 1.0
+    try:
+        while facts is None:
+            if signals.wait_for(delay) is not None:
+                return None
+            facts = read_node(api, node_name)
+            delay = min(delay * 2, _NODE_RETRY_MAX_S)
+        log.info("read Node %s", node_name)
+        return facts
+    finally:
+        server.stop()
+
+
+class _StoppedError(Exception):
+    """A stop signal arrived before the agent started."""
+
+
+def _settings(
+    args: argparse.Namespace, node_name: str, signals: StopSignals
+) -> tuple[dict[str, Any], SelectedConfig]:
+    """AgentConfig fields from the flags over the node's configuration (if any), and the
+    configuration chosen. Raises NodeConfigError for a file that cannot be used, and
+    :class:`_StoppedError` when stopped while waiting to read the Node."""
+    from kvshare.deviceplugin.agent import kube_api_client
 
     selected = SelectedConfig(DEFAULT_CONFIG, NodeSettings())
     if args.config is not None:
         file = load_config_file(args.config)
         api = kube_api_client(args.kubeconfig) if not args.no_kube else None
-        facts = read_node(api, node_name) if api is not None else None
+        facts = None
+        if api is not None:
+            facts = _wait_for_node(api, node_name, signals, args.metrics_address)
+            if facts is None:
+                raise _StoppedError
         selected = select(file, dict(facts.labels) if facts else None, args.config_label)
         if selected.problem:
             log.error("%s", selected.problem)
@@ -238,12 +293,15 @@ def run(args: argparse.Namespace) -> int:
     from kvshare.deviceplugin.inventory import InventoryError
 
     node_name = args.node_name or socket.gethostname()
+    signals = StopSignals()
     try:
-        settings, selected = _settings(args, node_name)
+        settings, selected = _settings(args, node_name, signals)
         ceilings = PriorityCeilings.parse_flags(args.kv_priority_default, args.kv_priority)
     except (NodeConfigError, PriorityError) as exc:
         log.error("kvshare node cannot start: %s", exc)
         return 1
+    except _StoppedError:
+        return 0
     config = AgentConfig.for_broker(
         node_name,
         args.broker_socket or Path(env.BROKER_SOCKET.require()),
@@ -274,7 +332,6 @@ def run(args: argparse.Namespace) -> int:
             tolerance=args.overuse_tolerance, evict_after=max(args.overuse_evict_after, 0)
         ),
     )
-    signals = StopSignals()
     agent = NodeAgent(config)
     try:
         agent.start()
