@@ -21,6 +21,7 @@ from kvshare.deviceplugin.kubelet.kubelet_api import HEALTHY, UNHEALTHY
 from kvshare.deviceplugin.kubelet.kubelet_standin import StandInKubelet
 from kvshare.deviceplugin.kubelet.slots import AllocationError, allocate, preferred_slots
 from tests.deviceplugin.conftest import ROOT
+from tests.polling import wait_until
 
 SLOTS = names.RESOURCE_GPU
 MEMORY = names.RESOURCE_GPU_MEMORY
@@ -74,7 +75,9 @@ def test_both_resources_register_and_list_their_devices(
     assert set(kubelet.devices(SLOTS).values()) == {HEALTHY}
     # 16 GiB GPUs with 512 MiB headroom lend 15 whole GiB each.
     assert len(kubelet.devices(MEMORY)) == 2 * 15
-    assert agent.plugin_registered() == {SLOTS: True, MEMORY: True}
+    # The kubelet records a registration before the plugin's Register call returns.
+    wait_until(lambda: agent.plugin_registered() == {SLOTS: True, MEMORY: True},
+               what="the agent to know both registered")  # fmt: skip
 
 
 def test_preferred_allocation_puts_k_slots_on_k_distinct_gpus(
