@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import stat
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,23 +14,9 @@ from kvshare.api import names
 from tests.deviceplugin.trust.harness import (
     GpuNode,
     Victim,
-    node_fixture,
-    short_directory,
-    victim,
 )
 
 pytestmark = pytest.mark.usefixtures("cgroups")
-
-
-@pytest.fixture(scope="module")
-def node(cgroups: Path) -> Iterator[GpuNode]:
-    with short_directory() as directory:
-        yield from node_fixture(directory, cgroups)
-
-
-@pytest.fixture(scope="module")
-def steady(node: GpuNode) -> Victim:
-    return victim(node)
 
 
 def test_the_admin_socket_and_restart_file_are_not_where_pods_are_mounted(

@@ -11,7 +11,6 @@ import json
 import subprocess
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,24 +20,9 @@ from tests.deviceplugin.trust.harness import (
     GIB,
     GpuNode,
     Victim,
-    node_fixture,
-    short_directory,
-    victim,
 )
 
 pytestmark = pytest.mark.usefixtures("cgroups")
-
-
-@pytest.fixture(scope="module")
-def node(cgroups: Path) -> Iterator[GpuNode]:
-    with short_directory() as directory:
-        yield from node_fixture(directory, cgroups, "--kv-priority-default", "300",
-                                "--kv-priority", "team-gold=900")  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def steady(node: GpuNode) -> Victim:
-    return victim(node)
 
 
 @pytest.fixture

@@ -22,17 +22,6 @@ from tests.polling import wait_until
 pytestmark = pytest.mark.usefixtures("cgroups")
 
 
-@pytest.fixture(scope="module")
-def node(cgroups: Path) -> Iterator[GpuNode]:
-    with short_directory() as directory:
-        yield from node_fixture(directory, cgroups, "--max-pools-per-pod", "8")
-
-
-@pytest.fixture(scope="module")
-def steady(node: GpuNode) -> Victim:
-    return victim(node)
-
-
 def test_ten_thousand_connections_from_one_pod_stop_at_its_limit(
     node: GpuNode, steady: Victim
 ) -> None:

@@ -6,22 +6,14 @@ from __future__ import annotations
 
 import json
 import subprocess
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.deviceplugin.trust.harness import GIB, GpuNode, Pod, node_fixture, short_directory
+from tests.deviceplugin.trust.harness import GIB, GpuNode, Pod
 from tests.polling import wait_until
 
 pytestmark = pytest.mark.usefixtures("cgroups")
-
-
-@pytest.fixture(scope="module")
-def node(cgroups: Path) -> Iterator[GpuNode]:
-    with short_directory() as directory:
-        yield from node_fixture(directory, cgroups)
 
 
 def turn(pod: Pod, rank: int, gpu: str, **fields: Any) -> dict[str, Any]:
