@@ -151,9 +151,10 @@ class NodeAgent:
         self._gpus = self.inventory.gpus()
         self._api = kube_api_client(config.kubeconfig) if config.use_kube else None
         if self._api is None:
-            log.warning(
+            log.log(
+                logging.WARNING if config.use_kube else logging.INFO,
                 "no Kubernetes API: the broker cannot verify which pod a pool runs in and "
-                "takes pools at their word (use this only outside a cluster)"
+                "takes pools at their word (use this only outside a cluster)",
             )
         broker = Broker(
             self._gpus,
