@@ -92,6 +92,10 @@ class BrokerEvents:
         """A connection broke the protocol (a :class:`~kvshare.api.wire.ProtocolError`
         of ``kind``) and was closed."""
 
+    def trust_refused(self, reason: str) -> None:
+        """A connection was refused by a check of who it is or of what it may hold (see
+        :mod:`~kvshare.deviceplugin.broker.identity`, :mod:`~.connections.gate`)."""
+
 
 @dataclass
 class PendingReclaim:
@@ -168,6 +172,11 @@ class PoolRecord:
         """Physical bytes the pool last reported holding."""
         return self.usage.held
 
+    def charged_bytes(self) -> int:
+        """What the broker counts as taken from the GPU for the pool: the one figure the
+        audit and lease enforcement hold the device's own figure against."""
+        return self.charge
+
     def view(self, now: float) -> PoolView:
         """The pool as plain values."""
         hello = self.hello
@@ -190,7 +199,7 @@ class PoolRecord:
             kv_min=self.kv_min,
             kv_max=self.kv_max,
             lease=self.lease,
-            charged=self.charge,
+            charged=self.charged_bytes(),
             want=self.want,
             mapped=self.usage.mapped,
             used=self.usage.used,

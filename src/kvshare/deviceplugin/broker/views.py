@@ -48,6 +48,11 @@ class PoolView:
     or reconnect."""
     age_s: float
 
+    def charged_bytes(self) -> int:
+        """What the broker counted as taken for the pool (its record's
+        :meth:`~kvshare.deviceplugin.broker.records.PoolRecord.charged_bytes`)."""
+        return self.charged
+
 
 @dataclass(frozen=True, slots=True)
 class GpuView:
