@@ -23,23 +23,22 @@ Everything runs in simulated time on the twin's clock: the same numbers on any m
 
 from __future__ import annotations
 
-import importlib
 import logging
 import math
 import statistics
 import time
 from concurrent.futures import ProcessPoolExecutor
-from types import ModuleType
 from typing import Any
 
 from harness import Result, Target
-from kvshare.deviceplugin.policy import DEFAULT_POLICY, POLICIES
+from kvshare.deviceplugin.broker.policy import DEFAULT_POLICY, POLICIES
+from kvshare.twin import families
 from kvshare.twin.capacity import fleet_gpus
 from kvshare.twin.compare import compare_worlds, models_per_gpu_by_world
 from kvshare.twin.worlds import TwinOptions, world_names
 
 SEEDS = (0, 1, 2)
-CLASSES = ("8b", "small")
+CLASSES = families.MODEL_CLASSES
 GPU = "h200_sxm"
 PRECISION = 0.03
 WORKERS = 2
@@ -57,19 +56,6 @@ GAIN_MIN = 0.6
 BOUND_GAINS = 1.10
 
 
-def families() -> ModuleType:
-    """``kvshare.twin.families``, imported when the benchmark runs (a clear error when
-    this checkout does not have it)."""
-    try:
-        return importlib.import_module("kvshare.twin.families")
-    except ModuleNotFoundError as missing:
-        raise SystemExit(
-            "the capacity benchmark runs the traffic families of kvshare.twin.families, "
-            f"which this checkout does not have ({missing}); it needs the workload "
-            "generators (kvshare/twin/families.py, sharegpt.py, workload_files.py)"
-        ) from None
-
-
 def _quiet() -> None:
     """The broker's log lines (a pool missing a reclaim deadline under overload) are
     expected in runs past capacity; the table says what matters."""
@@ -84,7 +70,7 @@ def _one_workload(job: tuple[str, str, int, float | None, float]) -> dict[str, A
     family, model_class, seed, duration, precision = job
     _quiet()
     started = time.process_time()
-    workload = families().generate(
+    workload = families.generate(
         family, seed=seed, gpu=GPU, model_class=model_class, duration_s=duration
     )
     found = compare_worlds(workload, _worlds(), TwinOptions(), precision=precision)
@@ -115,17 +101,14 @@ def _one_workload(job: tuple[str, str, int, float | None, float]) -> dict[str, A
 def _models_per_gpu(job: tuple[str, str, float | None]) -> dict[str, Any]:
     family, model_class, duration = job
     _quiet()
-    module = families()
-    most = int(getattr(module, "MAX_MODELS", 64))
-    start = int(getattr(module, "DEFAULT_MODELS", {}).get(family, {}).get(model_class, 1))
     found = models_per_gpu_by_world(
-        lambda n: module.generate(
+        lambda n: families.generate(
             family, seed=0, gpu=GPU, model_class=model_class, n_models=n, duration_s=duration
         ),
         _worlds(),
         TwinOptions(),
-        most=most,
-        start=start,
+        most=families.MAX_MODELS,
+        start=families.DEFAULT_MODELS[family][model_class],
     )
     return {"family": family, "class": model_class, "models": found}
 
@@ -258,9 +241,8 @@ def _targets() -> list[Target]:
 
 def measure(quick: bool) -> Result:
     """Run the suite (a subset with ``quick``) and summarise it."""
-    module = families()
     started = time.perf_counter()
-    chosen = QUICK_FAMILIES if quick else tuple(module.FAMILIES)
+    chosen = QUICK_FAMILIES if quick else families.FAMILIES
     seeds = SEEDS[:1] if quick else SEEDS
     duration = QUICK_DURATION_S if quick else None
     precision = QUICK_PRECISION if quick else PRECISION

@@ -8,7 +8,7 @@ from collections.abc import Iterable
 
 import pytest
 
-from kvshare.deviceplugin.books import Books
+from kvshare.deviceplugin.broker.books import Books
 from kvshare.twin import worlds
 from kvshare.twin.allocators import FirstComePages
 from kvshare.twin.capacity import capacity

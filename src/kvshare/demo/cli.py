@@ -129,7 +129,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _options(args: argparse.Namespace) -> DemoOptions:
     from kvshare.demo.options import DemoOptions
-    from kvshare.deviceplugin.policy import policy_named
+    from kvshare.deviceplugin.broker.policy import policy_named
 
     given = {k: getattr(args, k) for k in _DEFAULTS if getattr(args, k) is not None}
     if args.trace is not None and given:

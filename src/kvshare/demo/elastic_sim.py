@@ -39,7 +39,7 @@ from kvshare.demo.server import demo_geometry, lease_chunk_bytes
 from kvshare.demo.sim_diagnosis import Diagnosis
 from kvshare.demo.sim_node import NodeSettings, PoolSpec, SimNode, Watch
 from kvshare.demo.stats import percentile
-from kvshare.deviceplugin.policy import (
+from kvshare.deviceplugin.broker.policy import (
     DEFAULT_POLICY,
     POLICIES,
     Entitlement,

@@ -2,7 +2,7 @@
 and the pools' side of the lease conversation, on one clock, with no processes and no
 sockets.
 
-What runs for real: :class:`~kvshare.deviceplugin.books.Books` with the policy given, one
+What runs for real: :class:`~kvshare.deviceplugin.broker.books.Books` with the policy given, one
 :class:`~kvshare.runtime.pool.KVPool` per model server with the geometry, reserve and
 lease chunk given (over :mod:`~kvshare.demo.bookkeeping_backend`, which only bookkeeps
 its pages: the lowest layer, which the simulation never reads or writes), each pool's
@@ -39,9 +39,9 @@ from typing import Protocol
 from kvshare.api.wire import PROTOCOL_VERSION, Hello, Lease, Message, Reclaim, Report, Want
 from kvshare.demo.bookkeeping_backend import BookkeepingBackend
 from kvshare.demo.engine_sim import EngineSim
-from kvshare.deviceplugin.books import Books, Send
+from kvshare.deviceplugin.broker.books import Books, Send
+from kvshare.deviceplugin.broker.policy import Policy
 from kvshare.deviceplugin.inventory import GpuInfo
-from kvshare.deviceplugin.policy import Policy
 from kvshare.runtime.broker_client import DEFAULT_SLOW_START_WINDOW_S
 from kvshare.runtime.geometry import KVGeometry
 from kvshare.runtime.lease import LeaseHolder, LeaseSource, PoolUsage

@@ -21,7 +21,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from kvshare.deviceplugin.policy import DEFAULT_POLICY, POLICIES
+from kvshare.deviceplugin.broker.policy import DEFAULT_POLICY, POLICIES
 from kvshare.twin.arbiter import ARBITERS
 from kvshare.twin.capacity import DEFAULT_PRECISION, FLEET_MODELS, fleet_gpus
 from kvshare.twin.compare import compare_worlds, gain_share, models_per_gpu_by_world

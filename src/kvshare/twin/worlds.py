@@ -7,8 +7,8 @@ and the same arbiter of the GPU's compute.
 - :func:`first_come`: kvcached alone. Each engine maps free pages while the GPU has
   any and returns a page only once it is empty; no broker, no reclaim
   (:class:`~kvshare.twin.allocators.FirstComePages`, instant).
-- :func:`kvshare`: kvshare's broker (the real :class:`~kvshare.deviceplugin.books.Books`
-  and a policy of :data:`~kvshare.deviceplugin.policy.POLICIES`), real
+- :func:`kvshare`: kvshare's broker (the real :class:`~kvshare.deviceplugin.broker.books.Books`
+  and a policy of :data:`~kvshare.deviceplugin.broker.policy.POLICIES`), real
   :class:`~kvshare.runtime.pool.KVPool` objects and the pools' lease conversation on the
   simulated clock (:class:`~kvshare.demo.sim_node.SimNode`, as ``elastic_sim`` runs them).
 - :func:`pooled_bound`: one pool of blocks any engine takes from at once: what no way of
@@ -35,7 +35,7 @@ from kvshare.demo.bound import FixedBlocks
 from kvshare.demo.engine_sim import EngineSim, SchedulerLimits
 from kvshare.demo.sim_node import NodeSettings, PoolSpec, SimClock, SimNode
 from kvshare.demo.trace import Request
-from kvshare.deviceplugin.policy import DEFAULT_POLICY, POLICIES, policy_named
+from kvshare.deviceplugin.broker.policy import DEFAULT_POLICY, POLICIES, policy_named
 from kvshare.runtime.pool import KVPool
 from kvshare.twin.allocators import FirstComePages, SharedBytes
 from kvshare.twin.arbiter import ARBITERS, Slot, roofline_demand, start_engines
@@ -316,7 +316,7 @@ def _cannot_start(run: _Run, why: str) -> WorldResult:
 
 
 #: The worlds by name: ``kvshare`` runs the broker's default policy, ``kvshare:<name>``
-#: another of :data:`~kvshare.deviceplugin.policy.POLICIES`.
+#: another of :data:`~kvshare.deviceplugin.broker.policy.POLICIES`.
 WORLDS: dict[str, Callable[[Workload, TwinOptions], WorldResult]] = {
     "static": static,
     "first-come": first_come,
