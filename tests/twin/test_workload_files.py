@@ -111,6 +111,8 @@ BAD_YAML = [
     (GOOD_YAML + "colour: blue\n", 11, "unknown key 'colour'"),
     (GOOD_YAML + "gpu: a100_sxm\n", 11, "gpu is given twice"),
     (GOOD_YAML.replace("h100_sxm", "h300_sxm"), 2, "'h300_sxm' is not one of"),
+    # AIConfigurator has kernel data for it, the twin no memory figures or step tables.
+    (GOOD_YAML.replace("h100_sxm", "b300_sxm"), 2, "'b300_sxm' is not one of"),
     (GOOD_YAML.replace("duration_s: 10", "duration_s: 1"), 3, "ends before the last arrival"),
     (GOOD_YAML.replace("duration_s: 10", "duration_s: .nan"), 3, "must be a number"),
     (GOOD_YAML.replace("duration_s: 10", "duration_s: [10]"), 3, "single value"),

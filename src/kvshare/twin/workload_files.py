@@ -40,6 +40,7 @@ from typing import Any
 
 import yaml
 
+from kvshare.twin.gpus import gpu_kinds
 from kvshare.twin.workload import ModelSpec, Slo, TwinRequest, Workload, WorkloadError
 
 __all__ = [
@@ -55,20 +56,9 @@ __all__ = [
     "save_workload",
 ]
 
-#: GPU kinds a workload may name: those NVIDIA's AIConfigurator ships measured kernel data
-#: for (the twin prices steps from it).
-KNOWN_GPUS = (
-    "h200_sxm",
-    "h100_sxm",
-    "a100_sxm",
-    "l40s",
-    "b200_sxm",
-    "b300_sxm",
-    "gb200",
-    "gb300",
-    "rtx_pro_6000_server",
-    "b60",
-)
+#: GPU kinds a workload may name: the twin's (:func:`kvshare.twin.gpus.gpu_kinds`, whose
+#: memory, compute and step tables come from NVIDIA's AIConfigurator).
+KNOWN_GPUS: tuple[str, ...] = tuple(gpu_kinds())
 CSV_COLUMNS = ("arrival_s", "model", "prompt_tokens", "output_tokens", "prefix_tokens")
 MAX_CSV_BYTES = 64 * 1024 * 1024
 MAX_YAML_BYTES = 1024 * 1024
