@@ -36,6 +36,13 @@ PARTS: dict[str, set[str]] = {
 KUBERNETES = {"kubernetes", "kubernetes_validate", "kopf", "grpc", "grpc_tools"}
 #: The three programs: none imports another.
 PROGRAMS = ("kvshare.runtime", "kvshare.deviceplugin", "kvshare.operator")
+TWIN = "kvshare.twin"
+#: What the GPU twin may import: the demo's simulated engine and node, the real pools, the
+#: broker (its books and policy) and the shared vocabulary; nothing of the node agent's
+#: kubelet, cluster or admin side, nor the operator.
+TWIN_IMPORTS = (TWIN, "kvshare.demo", "kvshare.runtime", f"{DP}.broker", "kvshare.api")
+#: Who may import the twin: the command line and the demo (which shows its capacity).
+TWIN_USERS = (TWIN, "kvshare.cli", "kvshare.demo")
 
 
 def module_name(path: Path, src: Path) -> str:
@@ -180,6 +187,10 @@ def forbidden_arrows(edges: Mapping[str, Iterable[str]]) -> list[str]:
                     bad.append(f"{source} -> {target}")
             if within(source, "kvshare.api") and not within(target, "kvshare.api"):
                 bad.append(f"{source} -> {target}")
+            if within(source, TWIN) and not any(within(target, p) for p in TWIN_IMPORTS):
+                bad.append(f"{source} -> {target}")
+            if within(target, TWIN) and not any(within(source, p) for p in TWIN_USERS):
+                bad.append(f"{source} -> {target}")
     return bad
 
 
@@ -188,7 +199,7 @@ def test_no_module_of_src_imports_itself_through_others() -> None:
     assert circles(running) == []
 
 
-def test_the_node_agents_parts_the_programs_and_the_api_import_only_inward() -> None:
+def test_the_node_agents_parts_the_programs_the_api_and_the_twin_import_only_inward() -> None:
     internal, _, _ = graph()
     assert forbidden_arrows(internal) == []
 
@@ -220,6 +231,10 @@ def test_the_checks_see_an_arrow_the_layout_forbids_and_a_circle() -> None:
         f"{DP}.cluster.pod_policies": {f"{DP}.broker.books"},
     }
     assert forbidden_arrows(edges) == [f"{DP}.broker.server -> {DP}.cluster.pod_policies"]
+    # The twin reaching the node agent's kubelet side, and the runtime reaching the twin.
+    assert forbidden_arrows(
+        {f"{TWIN}.worlds": {f"{DP}.kubelet.plugin"}, "kvshare.runtime.pool": {f"{TWIN}.gpus"}}
+    ) == [f"kvshare.runtime.pool -> {TWIN}.gpus", f"{TWIN}.worlds -> {DP}.kubelet.plugin"]
     edges[f"{DP}.broker.books"] = {f"{DP}.broker.server"}
     assert circles(edges) == [
         [f"{DP}.broker.books", f"{DP}.broker.server", f"{DP}.cluster.pod_policies"]
