@@ -14,20 +14,21 @@ at the SLO in each world, and the GPUs a fleet of 48 of them needs.
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import logging
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 from kvshare.deviceplugin.broker.policy import DEFAULT_POLICY, POLICIES
 from kvshare.twin.arbiter import ARBITERS
 from kvshare.twin.capacity import DEFAULT_PRECISION, FLEET_MODELS, fleet_gpus
 from kvshare.twin.compare import compare_worlds, gain_share, models_per_gpu_by_world
+from kvshare.twin.families import DEFAULT_MODELS, FAMILIES, MAX_MODELS, MODEL_CLASSES, generate
+from kvshare.twin.gpus import gpu_kinds
 from kvshare.twin.pages import PAGE_LAYOUTS
 from kvshare.twin.workload import Workload, WorkloadError
-from kvshare.twin.worlds import TwinOptions, run_world, world_names
+from kvshare.twin.workload_files import load_workload
+from kvshare.twin.worlds import TwinOptions, place, run_world, world_names
 
 __all__ = ["add_arguments", "main", "run"]
 
@@ -35,14 +36,18 @@ __all__ = ["add_arguments", "main", "run"]
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The command's options."""
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--family", help="a traffic family of kvshare.twin.families")
+    source.add_argument("--family", choices=FAMILIES, help="a generated traffic family")
     source.add_argument("--workload", type=Path, help="a workload's YAML file (models, GPU, SLO)")
     parser.add_argument("--requests", type=Path, help="its requests' CSV (default: beside it)")
     parser.add_argument("--seed", type=int, default=0, help="the family's seed")
-    parser.add_argument("--model-class", default="8b", help="the family's model class")
+    parser.add_argument(
+        "--model-class", default="8b", choices=MODEL_CLASSES, help="the family's model class"
+    )
     parser.add_argument("--n-models", type=int, help="the family's number of models")
     parser.add_argument("--duration", type=float, help="the family's seconds of traffic")
-    parser.add_argument("--gpu", default="h200_sxm", help="the family's GPU kind")
+    parser.add_argument(
+        "--gpu", default="h200_sxm", choices=sorted(gpu_kinds()), help="the family's GPU kind"
+    )
     parser.add_argument(
         "--policy",
         action="append",
@@ -62,21 +67,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print a JSON object last")
 
 
-def _import(name: str) -> ModuleType:
-    try:
-        return importlib.import_module(f"kvshare.twin.{name}")
-    except ModuleNotFoundError as missing:
-        raise SystemExit(
-            f"kvshare.twin.{name} is not in this installation ({missing}); it reads "
-            "workloads and generates the traffic families"
-        ) from None
-
-
 def _workload(args: argparse.Namespace, n_models: int | None = None) -> Workload:
     if args.workload is not None:
-        loaded: Workload = _import("workload_files").load_workload(args.workload, args.requests)
-        return loaded
-    made: Workload = _import("families").generate(
+        return load_workload(args.workload, args.requests)
+    return generate(
         args.family,
         seed=args.seed,
         gpu=args.gpu,
@@ -84,18 +78,24 @@ def _workload(args: argparse.Namespace, n_models: int | None = None) -> Workload
         n_models=n_models if n_models is not None else args.n_models,
         duration_s=args.duration,
     )
-    return made
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the command; 0 on success, 2 on a workload or option it refuses."""
     logging.getLogger("kvshare.deviceplugin").setLevel(logging.ERROR)
+    if args.models_per_gpu and args.family is None:
+        print("kvshare twin: --models-per-gpu needs --family")
+        return 2
     try:
         options = TwinOptions(
             sharing=args.sharing, page_layout=args.page_layout, kv_min_share=args.kv_min_share
         )
         workload = _workload(args)
-    except (WorkloadError, ValueError, OSError) as refused:
+        # A model the twin has no data for, or models one GPU cannot hold, are refused
+        # here with what to change (a larger load never makes them fit).
+        place(workload)
+        scaled = workload.at_scale(args.scale) if args.scale is not None else None
+    except (WorkloadError, ValueError, LookupError, OSError) as refused:
         print(f"kvshare twin: {refused}")
         return 2
     worlds = world_names(args.policy or [DEFAULT_POLICY])
@@ -104,14 +104,11 @@ def run(args: argparse.Namespace) -> int:
         f"over {workload.duration_s:g} s on one {workload.gpu}; SLO {workload.slo}"
     )
     report: dict[str, Any] = {"workload": workload.name, "requests": len(workload.requests)}
-    if args.scale is not None:
-        report["runs"] = _at_scale(workload.at_scale(args.scale), worlds, options)
+    if scaled is not None:
+        report["runs"] = _at_scale(scaled, worlds, options)
     else:
         report["capacity"] = _capacities(workload, worlds, options, args.precision)
     if args.models_per_gpu:
-        if args.family is None:
-            print("kvshare twin: --models-per-gpu needs --family")
-            return 2
         report["models_per_gpu"] = _placements(args, worlds, options)
     if args.json:
         print(json.dumps(report))
@@ -166,9 +163,10 @@ def _capacities(
 def _placements(
     args: argparse.Namespace, worlds: list[str], options: TwinOptions
 ) -> dict[str, Any]:
-    start = args.n_models or 1
+    # From the family's own count of models (it usually meets the SLO at its own load).
+    start = args.n_models or DEFAULT_MODELS[args.family][args.model_class]
     found = models_per_gpu_by_world(
-        lambda n: _workload(args, n), worlds, options, most=64, start=start
+        lambda n: _workload(args, n), worlds, options, most=MAX_MODELS, start=start
     )
     print(f"\n{'world':<22} {'models/GPU':>10} {f'GPUs for {FLEET_MODELS}':>12}")
     for world, count in found.items():
