@@ -203,8 +203,12 @@ class SloMonitor:
 
     # --- judging early ----------------------------------------------------------------------
     def _certainly_missed(self, waiting_over: int, waiting_by_model: list[int]) -> bool:
+        """Whether the SLO is missed whatever comes next, counting ``waiting_over``
+        requests still waiting past the TTFT target (``waiting_by_model`` of each model):
+        they miss the TTFT part and their model's attainment, not yet the TPOT part (their
+        tokens may still come fast)."""
         limit = allowed_misses(self.total, 0.99)
-        if self._ttft_over + waiting_over > limit or self._tpot_over + waiting_over > limit:
+        if self._ttft_over + waiting_over > limit or self._tpot_over > limit:
             return True
         return any(
             self._missed[m] + waiting_by_model[m] > allowed_misses(n, self.slo.min_attainment)
