@@ -97,7 +97,9 @@ _POOL_GAUGES: dict[str, tuple[str, Callable[[PoolView], float | None]]] = {
     ),
     "kvshare_pool_priority": ("Reclaim priority of the pool.", lambda p: p.priority),
     "kvshare_pool_over_lease": (
-        "1 when the device shows more than the lease plus one page (audit).",
+        "1 when the device shows more than the pool may hold plus one page (audit): its "
+        "charge (lease and memory a reclaim asked back) while the reclaim is within its "
+        "deadline, its lease after that.",
         lambda p: p.over_lease,
     ),
     "kvshare_pool_reclaim_pending": (

@@ -90,8 +90,7 @@ class Lender:
         # What a pool reports holding beyond its lease is not charged: reports are the
         # pool's word, and a pool must not be able to push others out by inflating it.
         # Real over-use is caught by the audit against the device.
-        pending = pool.reclaim.from_bytes if pool.reclaim is not None else 0
-        charge = max(pool.kv_min, pool.lease, pending)
+        charge = pool.charged_bytes()
         gpu.charged += charge - pool.charge
         pool.charge = charge
 

@@ -168,6 +168,15 @@ class PoolRecord:
         """Physical bytes the pool last reported holding."""
         return self.usage.held
 
+    def charged_bytes(self) -> int:
+        """What the broker charges the pool now: its lease, plus memory it was asked to
+        give back and has not yet released (and never less than its kv min). The most the
+        pool may hold on the device while a reclaim runs; once the reclaim's deadline has
+        passed, memory kept beyond the lease is over-use (see
+        :mod:`~kvshare.deviceplugin.broker.audit`)."""
+        pending = self.reclaim.from_bytes if self.reclaim is not None else 0
+        return max(self.kv_min, self.lease, pending)
+
     def view(self, now: float) -> PoolView:
         """The pool as plain values."""
         hello = self.hello
