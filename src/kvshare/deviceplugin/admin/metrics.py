@@ -62,6 +62,21 @@ _GPU_GAUGES: dict[str, tuple[str, Callable[[GpuView], float]]] = {
         "Budget not leased to any pool: grantable without a reclaim.",
         lambda g: g.unleased,
     ),
+    "kvshare_gpu_kv_overcommitted_bytes": (
+        "KV charges beyond the budget: above 0 after a restart with a smaller budget (raised "
+        "headroom, a smaller configuration, a GPU reported smaller) until the reclaims that "
+        "follow are released.",
+        lambda g: g.overcommitted,
+    ),
+    "kvshare_gpu_kv_min_shortfall_bytes": (
+        "Guaranteed KV minimums beyond the budget: above 0 the budget cannot be reached "
+        "and the minimums are not all guaranteed.",
+        lambda g: g.min_shortfall,
+    ),
+    "kvshare_gpu_pools_sized_larger": (
+        "Pools whose KV caches were sized for more memory than the GPU reports now.",
+        lambda g: g.pools_sized_larger,
+    ),
     "kvshare_gpu_pools": ("KV pools on the GPU.", lambda g: g.pools),
     "kvshare_gpu_healthy": ("1 when the GPU is healthy.", lambda g: g.healthy),
     "kvshare_gpu_draining": ("1 while the GPU is being drained.", lambda g: g.draining),
@@ -183,6 +198,12 @@ class NodeMetrics(BrokerEvents):
             "kvshare_pool_reclaim_overdue).",
             "gpu",
         )
+        self.reclaims_ungranted = self._counter(
+            "kvshare_broker_reclaims_ungranted",
+            "Reclaims made for waiting pools that ended (released or called off) with no "
+            "other pool granted memory since: at most one per pool per reclaim deadline.",
+            "gpu",
+        )
         self.admissions = self._counter(
             "kvshare_broker_admissions",
             "Pool hellos by result (admitted, resumed, or the refusal reason).",
@@ -295,6 +316,10 @@ class NodeMetrics(BrokerEvents):
     def reclaim_overdue(self, pool: PoolRecord) -> None:
         """Count a missed deadline (per GPU: a pool's own series would outlive it)."""
         self.deadline_missed.labels(pool.gpu).inc()
+
+    def reclaim_ungranted(self, gpu: str) -> None:
+        """Count a reclaim for waiters that granted nothing."""
+        self.reclaims_ungranted.labels(gpu).inc()
 
     def admitted(self, gpu: str, resumed: bool) -> None:
         """Count an admission."""

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from kvshare.api.quantity import format_bytes_human
 from kvshare.deviceplugin.broker.views import BooksView, PoolView
 
-__all__ = ["Auditor", "Finding", "allowance", "audit", "memfd_bytes"]
+__all__ = ["Auditor", "Finding", "allowance", "audit", "memfd_bytes", "memfd_bytes_of"]
 
 log = logging.getLogger(__name__)
 
@@ -35,26 +35,36 @@ log = logging.getLogger(__name__)
 def memfd_bytes(pid: int) -> int | None:
     """Bytes the kernel has allocated to the memfds that ``pid`` holds open, or None
     when its file descriptors cannot be read."""
-    fd_dir = f"/proc/{pid}/fd"
-    try:
-        names = os.listdir(fd_dir)
-    except OSError:
-        return None
+    return memfd_bytes_of([pid])
+
+
+def memfd_bytes_of(pids: Iterable[int]) -> int | None:
+    """Bytes the kernel has allocated to the memfds any of ``pids`` holds open, each
+    memfd counted once (processes of one server share some), or None when the file
+    descriptors of none of them can be read."""
     total = 0
     seen: set[tuple[int, int]] = set()
-    for name in names:
-        path = f"{fd_dir}/{name}"
+    readable = False
+    for pid in pids:
+        fd_dir = f"/proc/{pid}/fd"
         try:
-            if not os.readlink(path).startswith("/memfd:"):
-                continue
-            info = os.stat(path)
+            names = os.listdir(fd_dir)
         except OSError:
-            continue  # closed meanwhile
-        key = (info.st_dev, info.st_ino)
-        if key not in seen:
-            seen.add(key)
-            total += info.st_blocks * 512
-    return total
+            continue
+        readable = True
+        for name in names:
+            path = f"{fd_dir}/{name}"
+            try:
+                if not os.readlink(path).startswith("/memfd:"):
+                    continue
+                info = os.stat(path)
+            except OSError:
+                continue  # closed meanwhile
+            key = (info.st_dev, info.st_ino)
+            if key not in seen:
+                seen.add(key)
+                total += info.st_blocks * 512
+    return total if readable else None
 
 
 @dataclass(frozen=True)
