@@ -43,6 +43,7 @@ BENCHMARKS = (
     "fuzz",
     "vllm-overhead",
     "elastic-vllm",
+    "agent-faults",
 )
 
 

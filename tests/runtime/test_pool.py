@@ -182,6 +182,21 @@ def test_a_lease_full_of_prefix_cache_asks_for_no_ready_pages(make_pool: PoolFac
     assert lease.wants and lease.wants[-1] > lease.limit()
 
 
+def test_pages_left_partly_empty_count_as_room_ahead(make_pool: PoolFactory) -> None:
+    """Finished requests leave pages partly empty: their free blocks serve new ones as fast
+    as a ready page. A pool with that much room asks for nothing more."""
+    lease = MovableLease(6 * PAGE_BYTES)
+    pool = make_pool(GEOMETRY, lease=lease, reserve_pages=2, lease_chunk_bytes=PAGE_BYTES)
+    ids = pool.alloc(15 + 16 * 5)  # pages 0-5: the whole lease
+    assert ids
+    pool.free(ids[15::2])  # half of the blocks of pages 1-5 free: 2.5 pages of room
+    pool.maintain()
+    assert lease.wants == []
+    assert pool.alloc(40)  # the room: no page needed
+    pool.maintain()
+    assert lease.wants and lease.wants[-1] > lease.limit()
+
+
 def test_wants_come_in_chunks_and_grants_let_the_pool_grow(make_pool: PoolFactory) -> None:
     lease = MovableLease(2 * PAGE_BYTES, grant_up_to=12 * PAGE_BYTES)
     pool = make_pool(GEOMETRY, lease=lease, reserve_pages=2, lease_chunk_bytes=4 * PAGE_BYTES)

@@ -23,6 +23,7 @@ from kvshare.deviceplugin.admin.metrics import MetricsServer, NodeMetrics
 from kvshare.deviceplugin.broker.audit import Auditor
 from kvshare.deviceplugin.broker.policy import DEFAULT_POLICY
 from kvshare.deviceplugin.broker.server import Broker, BrokerConfig
+from kvshare.deviceplugin.cluster.budget_checks import BudgetChecks
 from kvshare.deviceplugin.inventory import GpuInfo, Inventory, open_inventory
 
 __all__ = ["AgentConfig", "NodeAgent"]
@@ -111,6 +112,7 @@ class NodeAgent:
         self.broker: Broker | None = None
         self.metrics_server: MetricsServer | None = None
         self._auditor: Auditor | None = None
+        self._budget: BudgetChecks | None = None
         self._plugins: Any = None
         self._watch: Any = None
         self._publisher: Any = None
@@ -165,6 +167,8 @@ class NodeAgent:
             interval_s=config.audit_interval_s,
         )
         self._auditor.start()
+        self._budget = BudgetChecks(broker.view)
+        self._budget.start()
         self._start_kube()
         self._start_device_plugin()
         self._health_thread = threading.Thread(
@@ -195,7 +199,15 @@ class NodeAgent:
         from kvshare.deviceplugin.cluster.publisher import KVShareNodePublisher, status_from_view
 
         assert self.broker is not None and self.inventory is not None
-        broker, backend = self.broker, self.inventory.backend
+        assert self._budget is not None
+        broker, backend, budget = self.broker, self.inventory.backend, self._budget
+
+        def post(reason: str, message: str) -> None:
+            facts = read_node(api, config.node_name)
+            if facts is not None:
+                post_node_event(api, facts, reason, message)
+
+        budget.set_post(post)
         checks = NodeChecks(
             lambda: read_node(api, config.node_name),
             lambda: len(self._gpus),
@@ -218,7 +230,7 @@ class NodeAgent:
                 backend,
                 config.slots_per_gpu,
                 node_config=config.node_config,
-                conditions=[*config_condition, *checks.conditions()],
+                conditions=[*config_condition, *checks.conditions(), *budget.conditions()],
                 policies=broker.pod_policy_states(),
             )
 
@@ -276,7 +288,15 @@ class NodeAgent:
         """Stop every part that started, newest first; removes the plugin and broker
         sockets (pools keep their memory and reconnect to the next agent)."""
         self._stop.set()
-        for part in (self._plugins, self._publisher, self._pods, self._checks, self._auditor):
+        parts = (
+            self._plugins,
+            self._publisher,
+            self._pods,
+            self._checks,
+            self._auditor,
+            self._budget,
+        )
+        for part in parts:
             if part is not None:
                 part.stop()
         if self._health_thread is not None:
@@ -288,6 +308,7 @@ class NodeAgent:
         if self.inventory is not None:
             self.inventory.close()
         self._plugins = self._publisher = self._pods = self._checks = self._auditor = None
+        self._budget = None
         self.metrics_server = None
         self.broker = None
         self.inventory = None

@@ -982,12 +982,17 @@ class KVPool:
             cache_pages = self._cache_pages()
             with self._lock:
                 # Ready pages are kept so that new blocks need not wait for a page to be
-                # mapped; the engine's own prefix cache gives it blocks as fast (it reuses
-                # cached blocks when the pool has no fresh ones), so a cache that covers
-                # the reserve is no reason to ask the broker for more: a server whose
-                # lease is full of cache would otherwise ask for ever, and reclaims would
-                # trade one server's cache for another's.
-                ahead = max(0, self._reserve_pages - max(0, cache_pages - self._reserve_pages))
+                # mapped. Free blocks in pages already mapped serve as fast, and so does
+                # the engine's own prefix cache beyond a reserve's worth of it (it reuses
+                # cached blocks when the pool has no fresh ones; the first ones may be a
+                # prefix its next requests hit): room the pool has is no reason to ask
+                # the broker for more. A server whose lease is full of cache, or of pages
+                # its finished requests left partly empty, would otherwise ask for ever,
+                # keep what it holds from a pool that waits, and reclaims would trade one
+                # server's cache for another's.
+                spare = self._free_partial // max(1, self._min_cap)
+                spare += max(0, cache_pages - self._reserve_pages)
+                ahead = max(0, self._reserve_pages - spare)
                 desired = self._mapped_pages - len(self._ready) + ahead
             if desired > self._limit_pages:
                 self._want(desired)

@@ -156,7 +156,7 @@ class NodeAgentProcess:
 
     # --- its interfaces ---------------------------------------------------------------------
 
-    def view(self, timeout_s: float = 5.0) -> BooksView:
+    def view(self, timeout_s: float = 30.0) -> BooksView:
         """The books, from the admin socket (:class:`AdminError` when it does not answer)."""
         return AdminClient(str(self.admin_socket), timeout=timeout_s).request(
             AdminRequest(op="list")

@@ -405,6 +405,10 @@ class MetricsServer:
 
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
+    # Connections the kernel queues while the agent cannot accept them (stopped, busy).
+    # The default 5 is soon full: a probe beyond it has its connection attempts dropped
+    # and retried only after 1, 3, 7 ... s, so it answers seconds after the agent runs again.
+    request_queue_size = 128
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         # A scraper that hung up before its answer was written is not the agent's
