@@ -13,8 +13,11 @@ each under the same load (:mod:`kvshare.demo.serving.faults`):
 - ``smaller``: stopped (SIGTERM) and started on a GPU reported at half its size, with half
   the budget (16 MiB under pools that held up to 32).
 
-Fields: ``<fault>_recovery_s`` from the fault to every pool back in the books and the
-agent ready; ``smaller_converge_s`` from then to the charges within the new budget;
+Before ``smaller`` both servers serve a burst, so that they hold more than the halved
+budget (``smaller_held_mib``). Fields: ``<fault>_recovery_s`` from the fault to every pool
+back in the books and the agent ready, ``<fault>_redeclare_s`` the part of it after the
+restarted agent answered (the rest is the agent's own start); ``smaller_converge_s`` from
+recovery to the charges within the new budget;
 ``<fault>_longest_request_s`` the longest request in flight during the fault, against
 ``baseline_longest_request_s``; ``stopped_admin_s`` / ``stopped_ready_s`` from SIGCONT to
 an answer; ``ungranted_reclaims`` over the whole run and ``baseline_reclaims`` in the quiet
@@ -41,6 +44,7 @@ from kvshare.demo.serving.faults import (
     FaultWorld,
     agent_frozen,
     agent_restarted,
+    fill,
     under_load,
 )
 from kvshare.demo.serving.steady_load import Request
@@ -54,9 +58,11 @@ PAGE_SIZE = 256 * 2**10
 LOGS = Path(__file__).resolve().parents[1] / "out" / "bench" / "agent-faults"
 
 
-def _requests(count: int) -> list[Request]:
-    rng = random.Random(15)
-    return [Request(tuple(rng.randrange(2, VOCAB) for _ in range(96)), 48) for _ in range(count)]
+def _requests(seed: int, count: int, prompt: int, output: int) -> list[Request]:
+    rng = random.Random(seed)
+    return [
+        Request(tuple(rng.randrange(2, VOCAB) for _ in range(prompt)), output) for _ in range(count)
+    ]
 
 
 def _pool_env(agent: NodeAgentProcess, pod: str) -> dict[str, str]:
@@ -107,8 +113,10 @@ def _reclaims(agent: NodeAgentProcess) -> float:
 def run(quick: bool) -> Result:
     quiet_s = 20.0 if quick else 60.0
     LOGS.mkdir(parents=True, exist_ok=True)
-    requests = _requests(12)
-    reference = _reference(requests, LOGS / "vllm-cache")
+    requests = _requests(15, count=12, prompt=96, output=48)
+    # Before `smaller`, both servers grow into the GPU with these (more than its budget).
+    bursts = _requests(16, count=20, prompt=320, output=96)
+    reference = _reference([*requests, *bursts], LOGS / "vllm-cache")
     sockets = Path(tempfile.mkdtemp(prefix="kvs", dir="/tmp"))  # short unix socket paths
     agent = NodeAgentProcess(
         sockets, LOGS / "node-agent.log", gpu_bytes=GPU_BYTES, headroom=HEADROOM,
@@ -129,19 +137,23 @@ def run(quick: bool) -> Result:
         for server in servers.values():
             server.wait_ready()
         world = FaultWorld(agent, servers, requests, reference, page_bytes=4 * PAGE_SIZE)
+        problems = fill(world, requests)  # warm: the first requests of a server are slower
         reclaims_before = _reclaims(agent)
         baseline = _baseline(world, quiet_s)
         baseline_reclaims = _reclaims(agent) - reclaims_before
         print(f"  baseline: {baseline_reclaims:.0f} reclaims in {quiet_s:.0f} s", file=sys.stderr)
         killed = agent_restarted(world, "killed", kill=True)
         stopped = agent_frozen(world, stopped_s=5.0)
+        down = agent_restarted(world, "down", kill=True, down_s=7.0)
+        problems += fill(world, bursts)
+        smaller = agent_restarted(
+            world, "smaller", kill=False, gpu_bytes=GPU_BYTES // 2, headroom=496 * MIB
+        )
         runs: dict[str, FaultRun] = {
             "killed": killed,
             "stopped": stopped,
-            "down": agent_restarted(world, "down", kill=True, down_s=7.0),
-            "smaller": agent_restarted(
-                world, "smaller", kill=False, gpu_bytes=GPU_BYTES // 2, headroom=496 * MIB
-            ),
+            "down": down,
+            "smaller": smaller,
         }
     finally:
         for server in servers.values():
@@ -155,14 +167,18 @@ def run(quick: bool) -> Result:
     ungranted = 0.0
     for name, fault in runs.items():
         fields[f"{name}_recovery_s"] = round(fault.recovery_s, 2)
+        if name != "stopped":
+            fields[f"{name}_redeclare_s"] = round(fault.redeclare_s, 2)
         fields[f"{name}_longest_request_s"] = round(fault.longest_request_s, 2)
         ungranted += fault.ungranted  # each agent counts from its own start
     fields["stopped_admin_s"] = round(stopped.admin_after_s, 3)
     fields["stopped_ready_s"] = round(stopped.ready_after_s, 3)
-    fields["smaller_converge_s"] = round(runs["smaller"].converge_s, 2)
+    fields["stopped_usual_s"] = round(stopped.usual_s, 3)
+    fields["smaller_held_mib"] = sum(smaller.leases_at_fault.values()) // MIB
+    fields["smaller_converge_s"] = round(smaller.converge_s, 2)
     fields["ungranted_reclaims"] = int(ungranted)
     fields["over_lease_alarms"] = sum(len(f.over_lease()) for f in runs.values())
-    fields["problems"] = sum(len(f.problems) for f in (baseline, *runs.values()))
+    fields["problems"] = len(problems) + sum(len(f.problems) for f in (baseline, *runs.values()))
     fields["requests"] = sum(len(f.answers) for f in (baseline, *runs.values()))
     return Result(
         name="agent-faults",

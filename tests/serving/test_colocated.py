@@ -65,20 +65,27 @@ def test_a_burst_on_a_grows_beyond_its_share_and_a_burst_on_b_reclaims_from_a_wh
     colocated: Colocated,
 ) -> None:
     a, b = colocated.a, colocated.b
-    # A serves requests the test keeps running until the reclaim has come.
-    with KeepRunning(a, 2), ThreadPoolExecutor(max_workers=2) as pool:
-        wait_until(lambda: _running(a) >= 2, 60, "A's held requests to run")
-        burst_a = _serve_in_background(pool, a, BURST_A)
-        grown = wait_until(
-            lambda: (lease := colocated.pool(a).lease) > EQUAL_SHARE and lease,
-            60,
-            "A's lease to grow beyond an equal share",
-        )
-        reclaims_before = _reclaims(colocated)
-        burst_b = _serve_in_background(pool, b, BURST_B)
-        # B is below its share and short: the broker reclaims from A, which serves.
-        wait_until(lambda: colocated.pool(a).lease < grown, 60, "a reclaim of A's lease")
-        assert _running(a) >= 1
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        # A serves a request the test keeps running until the reclaim has come.
+        with KeepRunning(a, 1):
+            wait_until(lambda: _running(a) >= 1, 60, "A's held request to run")
+            burst_a = _serve_in_background(pool, a, BURST_A)
+            # A's burst asks for more than the GPU lends: A grows beyond an equal share,
+            # into everything B does not hold, so that B's burst needs a reclaim.
+            grown = wait_until(
+                lambda: (
+                    _unleased(colocated) == 0
+                    and (lease := colocated.pool(a).lease) > EQUAL_SHARE
+                    and lease
+                ),
+                60,
+                "A's lease to grow beyond an equal share, into all that is free",
+            )
+            reclaims_before = _reclaims(colocated)
+            burst_b = _serve_in_background(pool, b, BURST_B)
+            # B is below its share and short: the broker reclaims from A, which serves.
+            wait_until(lambda: colocated.pool(a).lease < grown, 60, "a reclaim of A's lease")
+            assert _running(a) >= 1
         done_a, done_b = burst_a.result(), burst_b.result()
     assert _reclaims(colocated) > reclaims_before
     assert all(c.status == 200 for c in (*done_a, *done_b))
@@ -87,6 +94,10 @@ def test_a_burst_on_a_grows_beyond_its_share_and_a_burst_on_b_reclaims_from_a_wh
     assert colocated.books, "the agent's books were never read"
     over = [(charged, budget) for charged, budget in colocated.books if charged > budget]
     assert not over, f"the broker lent more than the GPU: {over[:5]}"
+
+
+def _unleased(setup: Colocated) -> int:
+    return setup.agent.view().gpus[0].unleased
 
 
 def _running(server: VllmServer) -> float:
@@ -178,16 +189,17 @@ def test_a_lease_cut_to_the_minimum_under_long_requests_preempts_and_finishes(
     name = pool_name(colocated, a)
     # Four requests that need 29 blocks each (116 in all), cut to the minimum's 32 while
     # at least three of them run with less than half of their tokens out: they cannot all
-    # finish without a preemption. The cut follows the server's own word that they run; a
-    # round in which the machine let them get further first proves nothing either way and
-    # is run again.
+    # finish without a preemption. Until the cut A may hold all four (128 blocks), so they
+    # run together from the start; the cut follows the server's own word that they run.
+    # A round in which the machine let them get further first proves nothing either way
+    # and is run again.
     for _round in range(3):
         before = scrape(f"{a.url}/metrics")
         # From the minimum, so that A's pages hold only these requests' blocks when the
         # cut comes (an earlier test's pages would give them room to finish meanwhile).
         _ctl(colocated.agent, "set-max", name, str(KV_MIN))
         wait_until(lambda: colocated.pool(a).mapped <= KV_MIN, 30, "idle A to shrink")
-        _ctl(colocated.agent, "set-max", name, "none")
+        _ctl(colocated.agent, "set-max", name, str(ROOM_FOR_FOUR))
         with ThreadPoolExecutor(max_workers=1) as pool:
             running = _serve_in_background(pool, a, UNDER_THE_CUT)
             wait_until(lambda: _running(a) >= 3, 60, "A to run several long requests")
@@ -205,6 +217,10 @@ def test_a_lease_cut_to_the_minimum_under_long_requests_preempts_and_finishes(
         raise AssertionError("the cut never landed while three requests ran early on")
     preempted = _preemptions(a) - total(before, "vllm:num_preemptions_total")
     assert preempted > 0, f"no preemption after a cut with {out_at_cut:.0f} tokens out"
+
+
+#: Room for the four requests under the cut to run together to their end (4 x 29 blocks).
+ROOM_FOR_FOUR = 16 * 2**20
 
 
 def _preemptions(server: VllmServer) -> float:

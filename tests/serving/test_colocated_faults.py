@@ -24,11 +24,18 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from kvshare.demo.serving.faults import FaultRun, agent_frozen, agent_restarted, wait_for
+from kvshare.demo.serving.faults import FaultRun, agent_frozen, agent_restarted, fill, wait_for
 from kvshare.deviceplugin.broker.connections.admin_requests import AdminRequest
 from tests.serving.conftest import MIB, serve_all, tokens
 from tests.serving.held import KeepRunning
-from tests.serving.world import AFTER_BURST, GPU_BYTES, HEADROOM, Colocated, pool_name
+from tests.serving.world import (
+    AFTER_BURST,
+    GPU_BYTES,
+    HEADROOM,
+    Colocated,
+    pool_name,
+    requests,
+)
 
 #: The agent's reclaim deadline (its default).
 DEADLINE_S = 10.0
@@ -95,10 +102,12 @@ def test_an_agent_stopped_for_a_while_answers_within_a_second_of_running_again(
 ) -> None:
     run = agent_frozen(faults.fault_world(), stopped_s=5.0)
     check(faults, run)
-    assert run.admin_after_s <= 1.0
-    assert run.ready_after_s <= 1.0
+    # Within a second of what an answer takes on this machine under the same load (two
+    # servers decoding on two cores): the stop adds no more (it added 3-6 s).
+    assert run.admin_after_s <= 1.0 + run.usual_s
+    assert run.ready_after_s <= 1.0 + run.usual_s
     assert run.queued_failed == 0
-    assert run.queued_after_s <= 1.0
+    assert run.queued_after_s <= 1.0 + run.usual_s, (run.queued_after_s, run.usual_s)
     burst_grows_a(faults)
 
 
@@ -113,12 +122,16 @@ def test_an_agent_down_longer_than_the_pools_report_interval_loses_nothing(
 def test_a_restart_on_a_gpu_reported_smaller_reaches_the_new_budget_within_a_deadline(
     faults: Colocated,
 ) -> None:
-    # The GPU is reported at half its memory and the budget halves with it (16 MiB under
-    # pools that hold up to 32): the shape of a raised headroom or a smaller configuration.
-    run = agent_restarted(
-        faults.fault_world(), "smaller", kill=False, gpu_bytes=512 * MIB, headroom=496 * MIB
-    )
+    # Both servers first grow into the GPU (a burst each: their leases fill with cache).
+    # Then the GPU is reported at half its memory and the budget halves with it, under
+    # pools that hold more: the shape of a raised headroom or a smaller configuration.
+    world = faults.fault_world()
+    assert fill(world, requests(AFTER_BURST)) == []
+    held = sum(world.pools(faults.agent.view()).values())
+    assert held > 16 * MIB, f"the servers hold {held}: a 16 MiB budget would not shrink"
+    run = agent_restarted(world, "smaller", kill=False, gpu_bytes=512 * MIB, headroom=496 * MIB)
     assert run.budget == 16 * MIB
+    assert sum(run.leases_at_fault.values()) > run.budget
     check(faults, run)
     gpu = faults.agent.view().gpus[0]
     assert gpu.pools_sized_larger == 2  # vLLM sized both KV caches for the 1 GiB GPU

@@ -93,9 +93,10 @@ class Colocated:
         return [self.reference[ask.prompt] for ask in asks]
 
     def fault_world(self) -> FaultWorld:
-        """The servers and the steady load, for the fault scenarios."""
-        steady = [Request(tuple(a.prompt), a.max_tokens) for a in STEADY]
-        reference = {tuple(a.prompt): self.reference[a.prompt] for a in STEADY}
+        """The servers and the steady load, for the fault scenarios (the reference covers
+        the load and :func:`bursts`)."""
+        steady = requests(STEADY)
+        reference = {tuple(a.prompt): self.reference[a.prompt] for a in (*STEADY, *AFTER_BURST)}
         return FaultWorld(
             self.agent,
             {s.name: s for s in (self.a, self.b)},
@@ -121,6 +122,11 @@ class Colocated:
         for server in (self.a, self.b):
             server.stop()
         self.agent.stop()
+
+
+def requests(asks: Sequence[Ask]) -> list[Request]:
+    """``asks`` (of token prompts) as the fault scenarios' requests."""
+    return [Request(tuple(a.prompt), a.max_tokens) for a in asks]
 
 
 def pool_name(setup: Colocated, server: VllmServer) -> str:

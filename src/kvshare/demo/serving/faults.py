@@ -18,6 +18,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from kvshare.demo.serving.agent_process import NodeAgentProcess
@@ -35,6 +36,7 @@ __all__ = [
     "FreezeRun",
     "agent_frozen",
     "agent_restarted",
+    "fill",
     "running_requests",
     "wait_for",
 ]
@@ -107,6 +109,11 @@ class FaultRun:
         return self.recovered_at - self.fault_at
 
     @property
+    def redeclare_s(self) -> float:
+        """From the agent answering again to every pool back in the books."""
+        return self.recovered_at - self.answering_at
+
+    @property
     def converge_s(self) -> float:
         """From recovery to the charges within the budget."""
         return max(0.0, self.converged_at - self.recovered_at)
@@ -172,6 +179,23 @@ def under_load(world: FaultWorld, name: str) -> Iterator[tuple[SteadyLoad, Books
         run.answers = load.stop()
         run.samples = watch.stop()
         run.problems += load.problems(run.answers)
+
+
+def fill(world: FaultWorld, requests: Sequence[Request]) -> list[str]:
+    """Every server serves ``requests`` at once, so that each grows into what they need
+    (and keeps it as prefix cache afterwards); the problems of the answers (their tokens
+    against ``world.reference``, which must hold them)."""
+    load = SteadyLoad(
+        {n: s.url for n, s in world.servers.items()}, requests, world.reference, clients=0
+    )
+    with ThreadPoolExecutor(max_workers=len(requests) * len(world.servers)) as pool:
+        answers = list(
+            pool.map(
+                lambda job: load.one(*job),
+                [(n, s.url, r) for n, s in world.servers.items() for r in requests],
+            )
+        )
+    return load.problems(answers)
 
 
 def _fault_begins(world: FaultWorld, run: FaultRun) -> None:
@@ -250,6 +274,9 @@ class FreezeRun(FaultRun):
     queued_after_s: float = float("inf")
     """From SIGCONT to the answer of the last request queued while it was stopped."""
     queued_failed: int = 0
+    usual_s: float = 0.0
+    """The longest an admin request or a ``/readyz`` probe took under the same load just
+    before the stop: what this machine allows for an answer at all."""
 
 
 def _queued(world: FaultWorld, results: list[float | None], kind: str, started: float) -> None:
@@ -272,6 +299,11 @@ def agent_frozen(world: FaultWorld, stopped_s: float, queued: int = 8) -> Freeze
     ``queued`` ``/readyz`` probes wait on it, then SIGCONT: how soon it answers."""
     with under_load(world, "stopped") as (_, _, base):
         run = FreezeRun(base.name, base.budget, 0.0, {}, page=base.page)
+        probes: list[Callable[[], object]] = [
+            lambda: world.agent.try_view(10.0) is not None,
+            lambda: world.agent.ready(10.0),
+        ]
+        run.usual_s = max(wait_for(probe, 30.0) for probe in probes for _ in range(5))
         _fault_begins(world, run)
         world.agent.pause()
         results: list[float | None] = []

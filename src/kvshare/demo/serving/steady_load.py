@@ -97,17 +97,20 @@ class SteadyLoad:
 
     def _run(self, name: str, url: str) -> None:
         while not self._stop.is_set():
-            request = self._take()
-            sent = time.monotonic()
-            try:
-                done = complete(url, request.prompt, request.max_tokens, timeout_s=self._timeout_s)
-                answer = Answer(name, request, sent, time.monotonic(), 200, done.token_ids)
-            except CompletionError as exc:
-                answer = Answer(name, request, sent, time.monotonic(), exc.status, (), str(exc))
-            except OSError as exc:
-                answer = Answer(name, request, sent, time.monotonic(), 0, (), repr(exc))
+            answer = self.one(name, url, self._take())
             with self._lock:
                 self.answers.append(answer)
+
+    def one(self, name: str, url: str, request: Request) -> Answer:
+        """Send ``request`` to server ``name`` at ``url``; how it went."""
+        sent = time.monotonic()
+        try:
+            done = complete(url, request.prompt, request.max_tokens, timeout_s=self._timeout_s)
+            return Answer(name, request, sent, time.monotonic(), 200, done.token_ids)
+        except CompletionError as exc:
+            return Answer(name, request, sent, time.monotonic(), exc.status, (), str(exc))
+        except OSError as exc:
+            return Answer(name, request, sent, time.monotonic(), 0, (), repr(exc))
 
     def answered_between(self, start: float, end: float) -> list[Answer]:
         """Answers to requests that were in flight at some moment of ``[start, end]``."""
