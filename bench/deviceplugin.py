@@ -34,7 +34,8 @@ def run(quick: bool) -> Result:
     agent = NodeAgent(
         AgentConfig.for_broker(
             "bench",
-            directory / "broker.sock",
+            directory / "run" / "broker.sock",
+            admin_dir=directory / "admin",
             fake_gpus="2x80Gi",
             device_plugin_dir=directory / "dp",
             metrics_host="127.0.0.1",

@@ -26,6 +26,7 @@ from dataclasses import replace
 from typing import Any
 
 from kvshare.api.modelserver import ModelServerSpec
+from kvshare.api.priorities import PriorityCeilings
 from kvshare.api.quantity import format_bytes_human
 from kvshare.operator.backoff import FailureBackoff, ReplicaFailures
 from kvshare.operator.caches import Caches
@@ -70,6 +71,7 @@ from kvshare.operator.status import (
     with_problem,
 )
 from kvshare.operator.validation import (
+    cap_priority,
     missing_refs,
     names_in_colocation_rules,
     raw_replicas,
@@ -108,8 +110,11 @@ class Controller:
         metrics: OperatorMetrics,
         retry_delays: Iterable[float] = (0.5, 1, 2, 5, 10, 30),
         backoff: FailureBackoff | None = None,
+        *,
+        ceilings: PriorityCeilings | None = None,
     ) -> None:
         self.api = api
+        self.ceilings = ceilings or PriorityCeilings()
         self.runtime = runtime
         self.metrics = metrics
         self.expectations = Expectations()
@@ -221,6 +226,9 @@ class Controller:
         pods = self.expectations.overlay(caches.pods.get(ms.key, ()), ms.key)
         previous = self._statuses.get(ms.key, ms.status)
         spec, problem = validate_modelserver(ms)
+        capped: str | None = None
+        if spec is not None:
+            spec, capped = cap_priority(ms, spec, self.ceilings)
         events: list[Event] = []
         plan = None
         failures = ReplicaFailures()
@@ -264,6 +272,7 @@ class Controller:
             failing=failures.failing,
             namespace=ms.namespace,
             missing_refs=missing_refs(ms, spec, caches) if spec is not None else None,
+            priority_capped=capped,
         )
         status = compute_status(observation, previous, _now())
         self._capacity_waits.track(ms.key, plan)

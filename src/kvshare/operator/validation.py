@@ -1,17 +1,20 @@
 """What keeps a ModelServer from being served: a spec that does not validate, a name too
 long for its pods and Service, an engine version kvshare does not support, and
-co-location rules that name ModelServers that do not exist."""
+co-location rules that name ModelServers that do not exist; and what is served other than
+asked: a KV priority above what an administrator granted its namespace, capped."""
 
 from __future__ import annotations
 
 from kvshare.api.kube import SpecError, validate
 from kvshare.api.modelserver import EngineVersionError, ModelServerSpec
+from kvshare.api.priorities import PriorityCeilings
 from kvshare.operator.caches import Caches
 from kvshare.operator.status import Problem
 from kvshare.operator.views import ModelServerRef
 
 __all__ = [
     "MAX_NAME_LENGTH",
+    "cap_priority",
     "missing_refs",
     "names_in_colocation_rules",
     "raw_replicas",
@@ -40,6 +43,27 @@ def validate_modelserver(ms: ModelServerRef) -> tuple[ModelServerSpec | None, Pr
     except EngineVersionError as exc:
         return spec, Problem("UnsupportedEngineVersion", str(exc))
     return spec, None
+
+
+def cap_priority(
+    ms: ModelServerRef, spec: ModelServerSpec, ceilings: PriorityCeilings
+) -> tuple[ModelServerSpec, str]:
+    """``spec`` with its KV priority no higher than its namespace's ceiling, and what was
+    capped ("" when nothing was). The admission policy refuses such a spec where it runs;
+    this catches what got past it (a cluster without ValidatingAdmissionPolicy, a ceiling
+    lowered later), so no pod runs above the ceiling."""
+    ceiling = ceilings.ceiling(ms.namespace)
+    asked = spec.kv_cache.priority
+    if asked <= ceiling:
+        return spec, ""
+    capped = spec.model_copy(
+        update={"kv_cache": spec.kv_cache.model_copy(update={"priority": ceiling})}
+    )
+    return capped, (
+        f"kvCache.priority {asked} is above {ceiling}, the most namespace {ms.namespace} "
+        f"may use: its replicas run at {ceiling} (an administrator grants more in the "
+        "chart's kvPriority)"
+    )
 
 
 def missing_refs(ms: ModelServerRef, spec: ModelServerSpec, caches: Caches) -> dict[str, list[str]]:

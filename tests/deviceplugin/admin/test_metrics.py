@@ -84,7 +84,8 @@ def test_readyz_waits_for_the_pools_of_a_previous_broker(
     pool = {"pid": os.getpid(), "name": "llm/qwen-0", "gpu": gpu, "static": 0, "kv_min": GIB,
             "start_time": process_start_time(os.getpid())}  # fmt: skip
     state = {"version": 1, "pools": [pool]}
-    (short_tmp / "broker.state").write_text(json.dumps(state))
+    (short_tmp / "admin").mkdir(mode=0o700)
+    (short_tmp / "admin" / "broker.state").write_text(json.dumps(state))
     agent = agent_factory("1x8Gi", "--recovery", "2")
     assert _get(agent.metrics_port, "/healthz") == (200, "ok\n")
     status, body = _get(agent.metrics_port, "/readyz")

@@ -430,7 +430,8 @@ def test_sigterm_stops_the_agent_cleanly_and_removes_its_sockets(
 def test_a_bad_fake_inventory_is_a_clear_error(gpus: str, short_tmp: object) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "kvshare.cli", "node", "--fake-gpus", gpus, "--no-kube",
-         "--broker-socket", f"{short_tmp}/b.sock", "--metrics-address", "127.0.0.1:0"],
+         "--broker-socket", f"{short_tmp}/run/b.sock", "--admin-dir", f"{short_tmp}/admin",
+         "--metrics-address", "127.0.0.1:0"],
         cwd=ROOT, capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
     assert done.returncode == 1

@@ -23,7 +23,7 @@ from kvshare.api.wire import Hello, Report
 from kvshare.deviceplugin.admin.metrics import NodeMetrics
 from kvshare.deviceplugin.agent import AgentConfig, NodeAgent
 from kvshare.deviceplugin.broker.books import Books
-from kvshare.deviceplugin.cluster.pods import PendingPods
+from kvshare.deviceplugin.cluster.pods import NodePods
 from kvshare.deviceplugin.cluster.publisher import (
     RBAC_RULES,
     KVShareNodePublisher,
@@ -242,7 +242,7 @@ def test_pending_pods_hand_out_planned_gpus_oldest_first_and_once(api: Emulator)
     api.post("/api/v1/namespaces/llm/pods", _pod("elsewhere", "2025-01-01T00:00:00Z", f"{a},{b}",
                                                  2, node="other-node"))  # fmt: skip
     api.post("/api/v1/namespaces/llm/pods", _pod("single", "2025-06-01T00:00:00Z", a, 1))
-    pods = PendingPods(api_client(api), NODE)
+    pods = NodePods(api_client(api), NODE)
     pods.start()
     try:
         wait_until(lambda: len(pods.known()) == 3, what="the pending pods of this node")
@@ -270,7 +270,8 @@ def test_allocation_prefers_the_gpus_the_operator_planned(api: Emulator, short_t
     agent = NodeAgent(
         AgentConfig.for_broker(
             NODE,
-            short_tmp / "broker.sock",
+            short_tmp / "run" / "broker.sock",
+            admin_dir=short_tmp / "admin",
             fake_gpus="2x16Gi",
             device_plugin_dir=short_tmp / "dp",
             metrics_host="127.0.0.1",
@@ -318,7 +319,7 @@ def test_every_request_the_agent_makes_is_covered_by_its_rbac(api: Emulator) -> 
     api.delete(kvsharenode_path())
     books.report(1, Report(mapped=GIB, used=GIB, cached=0, reserved=0), 1.0)
     publisher.publish(now=1.0)
-    pods = PendingPods(api_client(api), NODE)
+    pods = NodePods(api_client(api), NODE)
     pods.start()
     time.sleep(1.0)
     pods.stop()

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import json
 import re
+import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,6 +17,7 @@ import pytest
 
 from kvshare.api import names
 from kvshare.deviceplugin.cluster.node_checks import device_plugin_conflict
+from kvshare.deviceplugin.kubelet.kubelet_standin import StandInKubelet
 from tests.chart.helm import template
 from tests.deviceplugin.cluster.test_kube import Emulator, agent_calls, rbac_allowed
 from tests.deviceplugin.conftest import GIB, AgentProcess, wait_until
@@ -187,3 +191,48 @@ def test_a_broken_configuration_file_stops_the_agent_with_a_clear_error(
     with pytest.raises(pytest.fail.Exception) as failed:
         agent.start()
     assert "slotPerGpu" in str(failed.value) and "exited 1" in str(failed.value)
+
+
+def test_a_node_that_cannot_be_read_gets_no_slots_until_it_can(
+    tmp_path: Path, short_tmp: Path, api: Emulator
+) -> None:
+    # No Node object (as when the API cannot answer): the agent must not guess its
+    # configuration and advertise the default's slots.
+    kubelet = StandInKubelet(short_tmp / "dp")
+    kubelet.start()
+    kubeconfig = write_kubeconfig(tmp_path / "kubeconfig", api.url)
+    agent = AgentProcess(
+        short_tmp, None,
+        ["--config", str(chart_configs(tmp_path, VALUES)), "--device-plugin-dir",
+         str(short_tmp / "dp")],
+        node_name="gpu-9", kubeconfig=kubeconfig,
+    )  # fmt: skip
+    agent.launch()
+    try:
+        port = wait_until(
+            lambda: next((int(m.group(1)) for line in agent.log
+                          if (m := re.search(r"answers 503 on 127\.0\.0\.1:(\d+)", line))), 0),
+            60, "the agent to say it waits for its Node",
+        )  # fmt: skip
+        assert "waiting to read Node gpu-9 for its configuration" in "".join(agent.log)
+        assert probe(port, "/healthz")[0] == 200  # alive: not restarted by its probe
+        status, text = probe(port, "/readyz")
+        assert status == 503 and "waiting to read Node gpu-9" in text
+        time.sleep(2.0)  # retries meanwhile; nothing is advertised
+        assert kubelet.registrations == []
+        # The Node appears, labelled: the agent starts with that configuration.
+        add_node(api, "gpu-9", {LABEL: "lab"}, {})
+        wait_until(agent._started, 60, "the agent to start")
+        assert kubelet.wait_registered(names.RESOURCE_GPU)
+        assert [g.total for g in agent.view().gpus] == [16 * GIB, 16 * GIB]  # "lab"
+    finally:
+        agent.stop()
+        kubelet.stop()
+
+
+def probe(port: int, path: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode()

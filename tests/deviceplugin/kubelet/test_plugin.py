@@ -21,6 +21,7 @@ from kvshare.deviceplugin.kubelet.kubelet_api import HEALTHY, UNHEALTHY
 from kvshare.deviceplugin.kubelet.kubelet_standin import StandInKubelet
 from kvshare.deviceplugin.kubelet.slots import AllocationError, allocate, preferred_slots
 from tests.deviceplugin.conftest import ROOT
+from tests.polling import wait_until
 
 SLOTS = names.RESOURCE_GPU
 MEMORY = names.RESOURCE_GPU_MEMORY
@@ -30,7 +31,8 @@ def start_agent(directory: Path, plugin_dir: Path) -> NodeAgent:
     agent = NodeAgent(
         AgentConfig.for_broker(
             "test-node",
-            directory / "broker.sock",
+            directory / "run" / "broker.sock",
+            admin_dir=directory / "admin",
             fake_gpus="2x16Gi",
             device_plugin_dir=plugin_dir,
             metrics_host="127.0.0.1",
@@ -73,7 +75,9 @@ def test_both_resources_register_and_list_their_devices(
     assert set(kubelet.devices(SLOTS).values()) == {HEALTHY}
     # 16 GiB GPUs with 512 MiB headroom lend 15 whole GiB each.
     assert len(kubelet.devices(MEMORY)) == 2 * 15
-    assert agent.plugin_registered() == {SLOTS: True, MEMORY: True}
+    # The kubelet records a registration before the plugin's Register call returns.
+    wait_until(lambda: agent.plugin_registered() == {SLOTS: True, MEMORY: True},
+               what="the agent to know both registered")  # fmt: skip
 
 
 def test_preferred_allocation_puts_k_slots_on_k_distinct_gpus(
@@ -219,7 +223,8 @@ def test_sigterm_removes_the_plugin_sockets(short_tmp: Path) -> None:
     kubelet.start()
     agent = subprocess.Popen(
         [sys.executable, "-m", "kvshare.cli", "node", "--fake-gpus", "1x8Gi", "--no-kube",
-         "--broker-socket", str(short_tmp / "broker.sock"), "--device-plugin-dir",
+         "--broker-socket", str(short_tmp / "run" / "broker.sock"),
+         "--admin-dir", str(short_tmp / "admin"), "--device-plugin-dir",
          str(plugin_dir), "--metrics-address", "127.0.0.1:0"],
         cwd=ROOT, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip

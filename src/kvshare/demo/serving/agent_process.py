@@ -1,7 +1,7 @@
 """``kvshare node`` as a process that tests and benchmarks stop, freeze, kill and restart.
 
-One fake GPU; the broker and admin sockets and the restart file in one directory (so a
-restarted agent finds its predecessor's pools); ``/metrics`` and ``/readyz`` on one
+One fake GPU; the broker socket, and the admin socket and restart file, in two folders of
+one directory (so a restarted agent finds its predecessor's pools); ``/metrics`` and ``/readyz`` on one
 loopback port that stays the same across restarts; the log of every run appended to one
 file. The agent is reached only through its real interfaces: the admin socket (the books,
 as ``kvshare ctl`` sees them) and its HTTP endpoint.
@@ -55,8 +55,10 @@ class NodeAgentProcess:
     ) -> None:
         self.directory = directory
         self.log_path = log_path
-        self.broker_socket = directory / "broker.sock"
-        self.admin_socket = directory / "admin.sock"
+        # The admin directory apart from the one pods mount, as the agent requires.
+        self.broker_socket = directory / "pods" / "broker.sock"
+        self.admin_dir = directory / "agent"
+        self.admin_socket = self.admin_dir / "admin.sock"
         self.gpu_bytes = gpu_bytes
         self.headroom = headroom
         self.args = list(args)
@@ -82,6 +84,7 @@ class NodeAgentProcess:
             "--headroom", f"{self.headroom // MIB}Mi",
             "--node-name", NODE_NAME,
             "--broker-socket", str(self.broker_socket),
+            "--admin-dir", str(self.admin_dir),
             "--device-plugin-dir", str(self.directory / "no-kubelet"),
             "--metrics-address", f"127.0.0.1:{self.port}",
             "--no-kube",

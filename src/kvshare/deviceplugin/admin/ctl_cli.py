@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-from kvshare.api import env, names
+from kvshare.api import names
 from kvshare.api.quantity import QuantityError, format_bytes_human, parse_bytes
 from kvshare.deviceplugin.admin.client import AdminClient, AdminError
 from kvshare.deviceplugin.broker.connections.admin_requests import AdminRequest
@@ -16,16 +16,16 @@ from kvshare.deviceplugin.broker.views import BooksView, PoolView
 
 
 def default_admin_socket() -> str:
-    """``admin.sock`` next to the broker socket."""
-    return str(Path(env.BROKER_SOCKET.require()).parent / names.ADMIN_SOCKET_NAME)
+    """``admin.sock`` in the node agent's own directory (``kvshare node --admin-dir``)."""
+    return str(Path(names.ADMIN_DIR) / names.ADMIN_SOCKET_NAME)
 
 
 def add_admin_socket(parser: argparse.ArgumentParser) -> None:
     """The ``--admin-socket`` option shared by ctl and top."""
     parser.add_argument(
         "--admin-socket", metavar="PATH", default=None,
-        help=f"the node agent's admin socket (default: {names.ADMIN_SOCKET_NAME} next to the "
-        "broker socket)",
+        help="the node agent's admin socket (default: "
+        f"{names.ADMIN_DIR}/{names.ADMIN_SOCKET_NAME}, inside the agent's container)",
     )  # fmt: skip
 
 

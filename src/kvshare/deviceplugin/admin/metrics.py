@@ -222,6 +222,24 @@ class NodeMetrics(BrokerEvents):
             "identity).",
             "kind",
         )
+        self.trust_refusals = self._counter(
+            "kvshare_broker_trust_refusals",
+            "Connections refused for who they are or what they would hold, by reason: no-pod "
+            "(the process runs in no pod of this node), pod-uid (another pod's UID, or none), "
+            "unknown-pod, names (namespace, pod or ModelServer not the pod's), gpu (not one "
+            "of the pod's slots), memory (beyond the pod's kvshare.io/gpu-memory request), "
+            "limit (connections), pool-limit, deadline (no first message in time), admin (an "
+            "admin request from outside the agent's container).",
+            "reason",
+        )
+        self.lease_overuse = self._counter(
+            "kvshare_broker_lease_overuse",
+            "Audits that found a pool's process holding more device memory than its charge "
+            "plus the tolerance (NVML), by action: reclaim (the excess is reclaimed) or evict "
+            "(it kept on; the pod is evicted).",
+            "gpu",
+            "action",
+        )
         self.plugin_registered = Gauge(
             "kvshare_deviceplugin_registered",
             "1 while the resource is registered with the kubelet.",
@@ -336,6 +354,14 @@ class NodeMetrics(BrokerEvents):
     def protocol_error(self, kind: str) -> None:
         """Count a connection closed for a protocol error of ``kind`` (a fixed set)."""
         self.protocol_errors.labels(kind).inc()
+
+    def lease_overused(self, gpu: str, *, evicted: bool) -> None:
+        """Count an audit that found a pool over its charge (and whether it is evicted)."""
+        self.lease_overuse.labels(gpu, "evict" if evicted else "reclaim").inc()
+
+    def trust_refused(self, reason: str) -> None:
+        """Count a connection refused by a check of its pod or its limits (a fixed set)."""
+        self.trust_refusals.labels(reason).inc()
 
 
 def registry() -> CollectorRegistry:

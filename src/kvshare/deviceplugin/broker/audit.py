@@ -142,9 +142,14 @@ class Auditor:
         backend: str,
         process_memory: Callable[[str], Mapping[int, int] | None],
         interval_s: float = 2.0,
+        *,
+        on_findings: Callable[[BooksView, list[Finding]], None] | None = None,
     ) -> None:
+        """``on_findings(view, findings)`` gets every audit's findings (lease enforcement,
+        :mod:`.enforcement`)."""
         self._view = view
         self._record = record
+        self._on_findings = on_findings
         self._backend = backend
         self._process_memory = process_memory
         self._interval = interval_s
@@ -155,6 +160,8 @@ class Auditor:
         """Audit now; the names of pools that just went over what they may hold."""
         view, findings = audit(self._view, self._backend, self._process_memory)
         flagged = self._record((f.pool_id, f.device_bytes, f.over_lease) for f in findings)
+        if self._on_findings is not None:
+            self._on_findings(view, findings)
         by_id = {p.id: p for p in view.pools}
         for finding in findings:
             pool = by_id[finding.pool_id]

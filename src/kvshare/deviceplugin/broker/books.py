@@ -414,6 +414,10 @@ class Books:
         """Record a GPU's health: unhealthy GPUs take no new pools and lend nothing more."""
         self._controls.set_healthy(gpu_uuid, healthy)
 
+    def reclaim_overuse(self, pool_id: int, excess: int, now: float) -> list[Send]:
+        """Reclaim ``excess`` bytes of a pool's lease that its process overuses."""
+        return self._controls.reclaim_overuse(pool_id, excess, now)
+
     def record_audit(self, pool_id: int, device_bytes: int | None, over_lease: bool) -> bool:
         """Store what the device shows for a pool; True when ``over_lease`` just turned on."""
         return self._controls.record_audit(pool_id, device_bytes, over_lease)

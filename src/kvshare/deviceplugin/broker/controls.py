@@ -128,6 +128,29 @@ class Controls:
             raise KeyError(f"no GPU {selector!r} on this node (by UUID or index)")
         return gpu
 
+    def reclaim_overuse(self, pool_id: int, excess: int, now: float) -> list[Send]:
+        """The device shows pool ``pool_id``'s process ``excess`` bytes over its charge:
+        reclaim that much of its lease (no lower than its floor), unless a reclaim is
+        pending already (:mod:`kvshare.deviceplugin.broker.enforcement`)."""
+        pool = self._pools.get(pool_id)
+        if pool is None or pool.reclaim is not None:
+            return []
+        gpu = self._gpus[pool.gpu]
+        target = max(pool.floor, align_down(pool.lease - excess, pool.page))
+        if target >= pool.lease:
+            return []  # at its floor: nothing left to take back
+        log.warning(
+            "pool %s (pid %d) holds %s more on the device than it is charged for: "
+            "reclaiming its lease down to %s",
+            pool.name,
+            pool.pid,
+            size(excess),
+            size(target),
+        )
+        pool.want = min(pool.want, target)
+        sends = [self._lender.reclaim(gpu, pool, target, now, "over its charge on the device")]
+        return sends + self._lender.serve(gpu, now)
+
     def record_audit(self, pool_id: int, device_bytes: int | None, over_lease: bool) -> bool:
         """Store what the device shows for a pool; True when ``over_lease`` just turned on."""
         pool = self._pools.get(pool_id)

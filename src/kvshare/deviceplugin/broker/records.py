@@ -96,6 +96,10 @@ class BrokerEvents:
         """A connection broke the protocol (a :class:`~kvshare.api.wire.ProtocolError`
         of ``kind``) and was closed."""
 
+    def trust_refused(self, reason: str) -> None:
+        """A connection was refused by a check of who it is or of what it may hold (see
+        :mod:`~kvshare.deviceplugin.broker.identity`, :mod:`~.connections.gate`)."""
+
 
 @dataclass
 class PendingReclaim:
@@ -185,7 +189,8 @@ class PoolRecord:
         give back and has not yet released (and never less than its kv min). The most the
         pool may hold on the device while a reclaim runs; once the reclaim's deadline has
         passed, memory kept beyond the lease is over-use (see
-        :mod:`~kvshare.deviceplugin.broker.audit`)."""
+        :mod:`~kvshare.deviceplugin.broker.audit`). The figure the audit and lease
+        enforcement hold the device's own figure against."""
         pending = self.reclaim.from_bytes if self.reclaim is not None else 0
         return max(self.kv_min, self.lease, pending)
 
@@ -211,7 +216,7 @@ class PoolRecord:
             kv_min=self.kv_min,
             kv_max=self.kv_max,
             lease=self.lease,
-            charged=self.charge,
+            charged=self.charged_bytes(),
             want=self.want,
             mapped=self.usage.mapped,
             used=self.usage.used,

@@ -18,16 +18,16 @@ connection that closes without ``bye`` while its process lives on is given a sho
 protocol (see :mod:`kvshare.api.wire`: every value is checked as it is decoded) closes
 that one connection; it is counted, and logged at a bounded rate.
 
-This module is the loop and the order of things; the parts it drives are elsewhere: the
-connections and their outboxes, the listening sockets, who may connect and the admin
-requests (:mod:`.connections`), the watched processes (:mod:`.connections.pidfds`), the
-restart file (:mod:`.state`) and the pods' policies changed in place (:mod:`.overrides`).
+Every connection belongs to a tenant, the pod its process runs in (:mod:`.verification`):
+limits count per pod and in all (:mod:`.connections.gate`); under Kubernetes a first
+message is checked against what the pod was given (:mod:`.identity`), waiting briefly for
+a pod not known yet. This module is the loop and the order of things; the parts it drives
+are in :mod:`.connections`, :mod:`.state` and :mod:`.overrides`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
 import os
 import selectors
@@ -35,7 +35,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvshare.api.wire import (
@@ -46,25 +46,27 @@ from kvshare.api.wire import (
     Message,
     ProtocolError,
     Refused,
-    Report,
     TurnDone,
     TurnRequest,
-    Want,
     Welcome,
 )
-from kvshare.deviceplugin.broker import peers
+from kvshare.deviceplugin.broker import peers, pool_messages
 from kvshare.deviceplugin.broker.books import Books, BrokerEvents, Send
-from kvshare.deviceplugin.broker.connections import admin_requests, auth, sockets
-from kvshare.deviceplugin.broker.connections.conn import Conn, Role
+from kvshare.deviceplugin.broker.connections import admin_requests, sockets
+from kvshare.deviceplugin.broker.connections.conn import Conn
+from kvshare.deviceplugin.broker.connections.gate import BrokerLimits, ConnectionGate
+from kvshare.deviceplugin.broker.connections.listeners import Listeners
 from kvshare.deviceplugin.broker.connections.pidfds import Kind, ProcessWatch
+from kvshare.deviceplugin.broker.identity import PodDirectory, Refusal
 from kvshare.deviceplugin.broker.overrides import PodPolicies, PodPolicy, PolicyState
 from kvshare.deviceplugin.broker.policy import DEFAULT_POLICY, policy_named
 from kvshare.deviceplugin.broker.state import AdmittedPools, load_expected
 from kvshare.deviceplugin.broker.throttle import ThrottledLog
+from kvshare.deviceplugin.broker.verification import WAIT, Verifier
 from kvshare.deviceplugin.broker.views import BooksView
 from kvshare.deviceplugin.inventory import GpuInfo
 
-__all__ = ["Broker", "BrokerConfig", "BrokerError"]
+__all__ = ["Broker", "BrokerConfig", "BrokerError", "BrokerLimits"]
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +94,10 @@ class BrokerConfig:
     orphan_grace_s: float = 0.5
     orphan_wait_s: float = 10.0
     recovery_s: float = 10.0
+    limits: BrokerLimits = field(default_factory=BrokerLimits)
+    verify: bool = False
+    """Under Kubernetes: bind every connection to a pod and check its first message
+    against what the pod was given (:meth:`Broker.set_pod_directory`); fail closed."""
 
 
 class Broker:
@@ -117,8 +123,6 @@ class Broker:
         # Policies changed in place (pod annotations): changed by the pod watch under
         # _lock, applied by the loop thread (see _apply_pod_policies).
         self._pod_policies = PodPolicies()
-        self._listeners: list[tuple[socket.socket, Path]] = []
-        self._next_conn_id = 1
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -127,6 +131,14 @@ class Broker:
         self._beat = time.monotonic()
         self._serving = False
         self._error_log = ThrottledLog(log, "protocol errors")
+        self._refusal_log = ThrottledLog(log, "refused connections")
+        self._gate = ConnectionGate(config.limits)
+        self._verifier = Verifier(config.verify)
+        self._listeners = Listeners(self._selector, self._gate, self._verifier, self._count_refusal)
+        # Connections whose first message waits for its pod to be known.
+        self._verifying: dict[int, Conn] = {}
+        # Reclaims asked for by lease enforcement (under _lock), made by the loop thread.
+        self._overuse: list[tuple[int, int]] = []
 
     # --- lifecycle ----------------------------------------------------------------------
 
@@ -155,6 +167,7 @@ class Broker:
             )
         self._listen(self.config.socket_path, 0o666, "pool")
         if self.config.admin_path is not None:
+            # Its directory (no pod mounts it) is made 0700 by the node agent.
             self._listen(self.config.admin_path, 0o600, "admin")
         self._selector.register(self._wake_r, selectors.EVENT_READ, ("wake", 0))
         for pool in expected:
@@ -174,9 +187,7 @@ class Broker:
         for conn in list(self._conns.values()):
             self._drop(conn)
         self._processes.close()
-        for sock, path in self._listeners:
-            sockets.close(sock, path)
-        self._listeners.clear()
+        self._listeners.close()
         self._serving = False
         self._selector.close()
         os.close(self._wake_r)
@@ -184,11 +195,9 @@ class Broker:
 
     def _listen(self, path: Path, mode: int, kind: str) -> None:
         try:
-            sock = sockets.listen(path, mode, kind)
+            self._listeners.listen(path, mode, kind)
         except sockets.ListenError as exc:
             raise BrokerError(str(exc)) from None
-        self._selector.register(sock, selectors.EVENT_READ, ("listen", kind))
-        self._listeners.append((sock, path))
 
     # --- what other threads may ask -----------------------------------------------------
 
@@ -208,6 +217,13 @@ class Broker:
                     flagged.append(record.name if record else str(pool_id))
         return flagged
 
+    def reclaim_overuse(self, pool_id: int, excess: int) -> None:
+        """Reclaim ``excess`` bytes of pool ``pool_id``'s lease, which its process holds
+        beyond its charge on the device (lease enforcement); done by the loop thread."""
+        with self._lock:
+            self._overuse.append((pool_id, excess))
+        self._wake()
+
     def set_pod_policy(self, pod_uid: str, policy: PodPolicy | None) -> None:
         """Pod ``pod_uid``'s annotated KV policy (from the pod watch): applied to its pools
         now and to the pools it opens later; ``None``: the pod is gone."""
@@ -215,6 +231,14 @@ class Broker:
             changed = self._pod_policies.set(pod_uid, policy)
         if changed:
             self._wake()
+
+    def set_pod_directory(self, directory: PodDirectory) -> None:
+        """What the pods of this node are and were given (used with ``config.verify``)."""
+        self._verifier.directory = directory
+
+    def pods_changed(self) -> None:
+        """The pod directory learnt something: hellos waiting for their pod try again."""
+        self._wake()
 
     def pod_policy_states(self) -> dict[int, PolicyState]:
         """Pool id -> the KV policy it runs under (for the KVShareNode)."""
@@ -292,6 +316,8 @@ class Broker:
                     elif kind == "wake":
                         sockets.drain(self._wake_r)
                         self._apply_pod_policies()
+                        self._apply_overuse()
+                        self._retry_waiting(time.monotonic())
                 except Exception:
                     # One bad event must never take the broker down.
                     log.exception("broker: unexpected error handling %s event", kind)
@@ -305,35 +331,27 @@ class Broker:
         return 0 if conn is not None and conn.role in ("admin", "new") else 1
 
     def _tick(self) -> None:
+        now = time.monotonic()
         with self._lock:
-            sends, removed = self._books.tick(time.monotonic())
+            sends, removed = self._books.tick(now)
         for pool_id in removed:
             self._forget_pool(pool_id)
         self._deliver(sends)
+        for conn_id in self._gate.overdue(now):
+            conn = self._conns.get(conn_id)
+            if conn is not None and conn.role == "new":
+                deadline = self._gate.limits.hello_deadline_s
+                self._refuse_untrusted(
+                    conn, Refusal("deadline", f"deadline: no first message within {deadline:g} s")
+                )
+        self._retry_waiting(now)
+        self._listeners.resume(now)
         self._error_log.flush()
+        self._refusal_log.flush()
 
     def _accept(self, listener: socket.socket, kind: str) -> None:
-        while True:
-            try:
-                sock, _ = listener.accept()
-            except BlockingIOError:
-                return
-            except OSError as exc:
-                if exc.errno in (errno.EMFILE, errno.ENFILE):
-                    log.error("broker: out of file descriptors, cannot accept: %s", exc)
-                return
-            sock.setblocking(False)
-            try:
-                peer = peers.peer_of(sock)
-            except OSError:
-                sock.close()
-                continue
-            conn_id = self._next_conn_id
-            self._next_conn_id += 1
-            role: Role = "admin" if kind == "admin" else "new"
-            conn = Conn(conn_id, sock, peer, role)
-            self._conns[conn_id] = conn
-            self._selector.register(sock, selectors.EVENT_READ, ("conn", conn_id))
+        for conn in self._listeners.accept(listener, kind):
+            self._conns[conn.id] = conn
 
     def _read(self, conn: Conn) -> None:
         try:
@@ -367,39 +385,21 @@ class Broker:
     def _dispatch(self, conn: Conn, message: Message) -> None:
         now = time.monotonic()
         if conn.role == "pool":
-            pool_id = conn.pool_id
-            if isinstance(message, Want):
-                if message.seq <= 0:
-                    raise ProtocolError("want: seq must be > 0")
-                with self._lock:
-                    sends = self._books.want(pool_id, message.seq, message.total, now)
-                self._deliver(sends)
-            elif isinstance(message, Report):
-                if min(message.mapped, message.used, message.cached, message.reserved) < 0:
-                    raise ProtocolError("report: sizes must be >= 0")
-                with self._lock:
-                    sends = self._books.report(pool_id, message, now)
-                self._deliver(sends)
-            elif isinstance(message, Bye):
-                with self._lock:
-                    sends = self._books.remove(pool_id, "bye", now)
-                self._forget_pool(pool_id)
-                self._deliver(sends)
-            else:
-                raise ProtocolError(f"{message.TYPE!r} is not allowed on a pool connection")
+            with self._lock:
+                sends = pool_messages.apply(self._books, conn.pool_id, message, now)
+            if isinstance(message, Bye):
+                self._forget_pool(conn.pool_id)
+            self._deliver(sends)
         elif conn.role == "new":
-            if isinstance(message, Hello):
-                self._hello(conn, message, now)
-            elif isinstance(message, TurnRequest):
-                conn.role = "turn"
-                self._turn_conns[conn.id] = conn
-                with self._lock:
-                    sends = self._books.turn_request(conn.id, message, conn.peer.pid, now)
-                self._deliver(sends)
-            else:
+            if not isinstance(message, Hello | TurnRequest):
                 raise ProtocolError(
                     f"a connection must start with hello or turn-request, not {message.TYPE!r}"
                 )
+            conn.pending = message
+            conn.wait_until = now + self._gate.limits.identity_wait_s
+            self._first_message(conn, now)
+        elif conn.role == "verifying":
+            raise ProtocolError(f"{message.TYPE!r} sent before the first message was answered")
         elif conn.role == "turn":
             if not isinstance(message, TurnDone):
                 raise ProtocolError(f"{message.TYPE!r} is not allowed on a turn connection")
@@ -411,11 +411,46 @@ class Broker:
         elif conn.role == "admin":
             self._admin(conn, message, now)
 
+    def _first_message(self, conn: Conn, now: float) -> None:
+        """Check the connection's first message against its pod; go on with it, refuse
+        it, or let it wait for its pod to be known."""
+        message = conn.pending
+        if message is None:
+            return
+        with self._lock:
+            verdict = self._verifier.check(conn.tenant, conn.peer.pid, message, self._books.pools())
+        if verdict is WAIT:
+            if now < conn.wait_until:
+                conn.role = "verifying"
+                self._verifying[conn.id] = conn
+                return
+            verdict = self._verifier.unknown(conn.tenant)
+        self._verifying.pop(conn.id, None)
+        conn.pending = None
+        if isinstance(verdict, Refusal):
+            self._refuse_untrusted(conn, verdict)
+        elif isinstance(verdict, Hello):
+            conn.role = "new"
+            self._hello(conn, verdict, now)
+        elif isinstance(verdict, TurnRequest):
+            conn.role = "turn"
+            self._turn_conns[conn.id] = conn
+            with self._lock:
+                sends = self._books.turn_request(conn.id, verdict, conn.peer.pid, now)
+            self._deliver(sends)
+
+    def _retry_waiting(self, now: float) -> None:
+        for conn in list(self._verifying.values()):
+            self._first_message(conn, now)
+
     def _hello(self, conn: Conn, hello: Hello, now: float) -> None:
-        refusal = auth.peer_problem(conn.peer, hello) or self._too_many_pools(conn.peer, hello)
-        if refusal is not None:
-            self._events.refused(hello.gpu, "peer")
-            self._refuse(conn, refusal)
+        with self._lock:
+            problem = self._gate.pool_refusal(
+                conn.tenant.key, conn.peer.pid, hello, self._books.pools()
+            )
+        if problem is not None:
+            self._events.refused(hello.gpu, "limit")
+            self._refuse_untrusted(conn, Refusal("pool-limit", problem))
             return
         with self._lock:
             admission = self._books.admit(hello, conn.peer.pid, now)
@@ -436,6 +471,7 @@ class Broker:
         conn.role = "pool"
         conn.pool_id = record.id
         self._pool_conns[record.id] = conn
+        self._gate.pool_added(conn.tenant.key, record.id)
         if not self._processes.watches_pool(record.id):
             self._watch_pid(conn.peer.pid, "pool", record.id)
         self._admitted.remember(record, peers.process_start_time(record.pid))
@@ -445,6 +481,14 @@ class Broker:
             Welcome(pool_id=record.id, name=record.name, lease=record.lease, kv_max=record.kv_max),
         )
         self._deliver(admission.sends)
+
+    def _apply_overuse(self) -> None:
+        sends: list[Send] = []
+        with self._lock:
+            for pool_id, excess in self._overuse:
+                sends += self._books.reclaim_overuse(pool_id, excess, time.monotonic())
+            self._overuse = []
+        self._deliver(sends)
 
     def _apply_pod_policies(self) -> None:
         """Apply the pods' changed KV policies to their pools (loop thread)."""
@@ -456,21 +500,11 @@ class Broker:
             self._admitted.save()
         self._deliver(sends)
 
-    def _too_many_pools(self, peer: peers.Peer, hello: Hello) -> str | None:
-        with self._lock:
-            mine = [p for p in self._books.pools() if p.pid == peer.pid]
-        return auth.too_many_pools(peer, hello, mine)
-
     def _admin(self, conn: Conn, message: Message, now: float) -> None:
-        if not isinstance(message, admin_requests.AdminRequest):
-            raise ProtocolError(f"{message.TYPE!r} is not an admin request")
-        problem = auth.admin_problem(conn.peer)
-        sends: list[Send] = []
+        with self._lock:
+            reply, sends, problem = admin_requests.answer(self._books, message, conn.peer, now)
         if problem is not None:
-            reply = admin_requests.AdminReply(ok=False, error=problem)
-        else:
-            with self._lock:
-                reply, sends = admin_requests.execute(self._books, message, now)
+            self._count_refusal(conn.peer.pid, Refusal("admin", problem))
         self._send(conn, reply, admin_requests.ADMIN_CODEC)
         self._deliver(sends)
 
@@ -514,9 +548,20 @@ class Broker:
         )
         self._refuse(conn, f"protocol error: {error}")
 
+    def _refuse_untrusted(self, conn: Conn, refusal: Refusal) -> None:
+        """Refuse a connection that a check of its pod or its limits did not pass."""
+        self._count_refusal(conn.peer.pid, refusal)
+        self._refuse(conn, refusal.message)
+
+    def _count_refusal(self, pid: int, refusal: Refusal) -> None:
+        self._events.trust_refused(refusal.reason)
+        self._refusal_log.log(
+            logging.WARNING, "broker: refused pid %d: %s", pid, refusal.message[:300]
+        )
+
     def _refuse(self, conn: Conn, reason: str) -> None:
         """Tell the peer why, then close (a pool connection then counts as lost)."""
-        if conn.role in ("new", "pool", "turn", "admin"):
+        if conn.role in ("new", "verifying", "pool", "turn", "admin"):
             with contextlib.suppress(OSError):
                 conn.sock.send(BROKER_CODEC.encode(Refused(reason=reason[:2000])))
         self._close(conn)
@@ -543,7 +588,9 @@ class Broker:
         if conn.role == "pool" and self._pool_conns.get(conn.pool_id) is conn:
             del self._pool_conns[conn.pool_id]
         conn.role = "closed"
+        self._verifying.pop(conn.id, None)
         if self._conns.pop(conn.id, None) is not None:
+            self._gate.closed(conn.tenant.key)
             with contextlib.suppress(KeyError, ValueError):
                 self._selector.unregister(conn.sock)
         conn.sock.close()
@@ -571,6 +618,7 @@ class Broker:
 
     def _forget_pool(self, pool_id: int) -> None:
         self._processes.unwatch_pool(pool_id)
+        self._gate.pool_removed(pool_id)
         conn = self._pool_conns.pop(pool_id, None)
         if conn is not None:
             self._drop(conn)

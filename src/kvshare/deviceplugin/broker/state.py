@@ -29,7 +29,10 @@ def save_pools(path: Path, pools: Iterable[tuple[ExpectedPool, int | None]]) -> 
     """Write the admitted pools (each with its process start time) to ``path``."""
     entries = [{**asdict(pool), "start_time": start} for pool, start in pools]
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps({"version": _VERSION, "pools": entries}), encoding="utf-8")
+    # 0600: it names every tenant's pods and pids.
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as out:
+        out.write(json.dumps({"version": _VERSION, "pools": entries}))
     os.replace(tmp, path)
 
 

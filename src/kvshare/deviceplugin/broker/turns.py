@@ -37,6 +37,11 @@ __all__ = ["StartupTurns"]
 log = logging.getLogger(__name__)
 
 
+def _group_key(request: TurnRequest) -> tuple[str, str]:
+    """A tensor-parallel group: its pod's UID and its name."""
+    return (request.pod_uid, request.group)
+
+
 @dataclass(frozen=True)
 class _Member:
     """One rank of a tensor-parallel group, waiting for its GPU's turn."""
@@ -51,9 +56,11 @@ class StartupTurns:
 
     def __init__(self, hold_s: float) -> None:
         self.hold_s = hold_s
-        # Tensor-parallel groups by name: ranks that have asked, until the group's turns
-        # are given (then each rank's turn is its own GPU's, like any other).
-        self._groups: dict[str, dict[int, _Member]] = {}
+        # Tensor-parallel groups by pod and name: ranks that have asked, until the group's
+        # turns are given (then each rank's turn is its own GPU's, like any other). The pod
+        # is part of the key so that a rank of another pod can neither join a group nor
+        # break it (under Kubernetes the broker has verified the pod of every request).
+        self._groups: dict[tuple[str, str], dict[int, _Member]] = {}
 
     @staticmethod
     def refusal(gpu: GpuRecord, request: TurnRequest) -> str | None:
@@ -81,7 +88,7 @@ class StartupTurns:
         if request.group_size == 1:
             gpu.queue.append(waiter)
             return [gpu], None
-        members = self._groups.setdefault(request.group, {})
+        members = self._groups.setdefault(_group_key(request), {})
         first = next(iter(members.values()), None)
         if first is not None and first.waiter.request.group_size != request.group_size:
             return [], (
@@ -111,13 +118,13 @@ class StartupTurns:
             return []
         head = gpu.queue[0]
         if head.request.group_size > 1:
-            return self._advance_group(head.request.group, now)
+            return self._advance_group(_group_key(head.request), now)
         if gpu.unleased < head.request.static + head.request.kv_min:
             return []
         gpu.queue.popleft()
         return [self._grant(gpu, head, now)]
 
-    def _advance_group(self, group: str, now: float) -> list[Send]:
+    def _advance_group(self, group: tuple[str, str], now: float) -> list[Send]:
         members = list(self._groups[group].values())
         for member in members:
             ready = member.gpu.turn is None and member.gpu.queue[0] is member.waiter
@@ -178,14 +185,14 @@ class StartupTurns:
             for member in members.values():
                 if member.gpu is gpu and member.waiter.key == key:
                     rank = member.waiter.request.rank
-                    return self._break(group, f"rank {rank} of group {group} left", key)
+                    return self._break(group, f"rank {rank} of group {group[1]} left", key)
         for waiter in gpu.queue:
             if waiter.key == key:
                 gpu.queue.remove(waiter)
                 return []
         return None
 
-    def _break(self, group: str, reason: str, leaving: int | None = None) -> list[Send]:
+    def _break(self, group: tuple[str, str], reason: str, leaving: int | None = None) -> list[Send]:
         """Take a group out of every queue and refuse its ranks (but the one ``leaving``)."""
         sends = []
         for member in self._groups.pop(group).values():

@@ -50,6 +50,11 @@ class PoolView:
     sized_for: int = 0
     """The GPU's memory its engine sized its KV cache for (0: not known)."""
 
+    def charged_bytes(self) -> int:
+        """What the broker counted as taken for the pool (its record's
+        :meth:`~kvshare.deviceplugin.broker.records.PoolRecord.charged_bytes`)."""
+        return self.charged
+
 
 @dataclass(frozen=True, slots=True)
 class GpuView:

@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvshare.api import kvpolicy, names
+from kvshare.api.priorities import PriorityCeilings
 from kvshare.deviceplugin.broker.overrides import PodPolicy
 from kvshare.deviceplugin.broker.server import Broker
 
@@ -45,8 +46,9 @@ def _requests(pod: Any) -> tuple[int, int]:
     return gpus, units
 
 
-def pod_policy(pod: Any) -> tuple[str, PodPolicy | None]:
-    """The pod's uid and the policy its annotation asks for (``None``: no annotation)."""
+def pod_policy(pod: Any, ceilings: PriorityCeilings | None = None) -> tuple[str, PodPolicy | None]:
+    """The pod's uid and the policy its annotation asks for (``None``: no annotation),
+    its priority no higher than ``ceilings`` grant the pod's namespace."""
     uid = str(_get(pod, "metadata", "uid") or "")
     text = (_get(pod, "metadata", "annotations") or {}).get(names.ANNOTATION_KV_POLICY)
     if text is None:
@@ -56,17 +58,24 @@ def pod_policy(pod: Any) -> tuple[str, PodPolicy | None]:
     except kvpolicy.PolicyError as exc:
         return uid, PodPolicy(error=f"annotation {names.ANNOTATION_KV_POLICY} is not valid: {exc}")
     gpus, units = _requests(pod)
+    priority = spec.priority
+    if ceilings is not None:
+        priority = min(priority, ceilings.ceiling(str(_get(pod, "metadata", "namespace") or "")))
     return uid, PodPolicy(
-        revision=kvpolicy.revision(spec.min, spec.max, spec.priority),
+        revision=kvpolicy.revision(spec.min, spec.max, priority),
         kv_min=spec.min,
         kv_max=spec.max,
-        priority=spec.priority,
+        priority=priority,
         per_gpu_bytes=units * names.GPU_MEMORY_UNIT_BYTES // gpus if gpus and units else None,
     )
 
 
-def send_to_broker(broker: Broker, kind: str, pod: Any) -> None:
+def send_to_broker(
+    broker: Broker, kind: str, pod: Any, ceilings: PriorityCeilings | None = None
+) -> str:
     """Pod ``pod`` of this node changed (watch event ``kind``): the policy its annotation
-    asks for goes to the broker (a deleted pod's pools keep what they run)."""
-    uid, policy = pod_policy(pod)
+    asks for goes to the broker (a deleted pod's pools keep what they run). Returns the
+    pod's uid."""
+    uid, policy = pod_policy(pod, ceilings)
     broker.set_pod_policy(uid, None if kind == "DELETED" else policy)
+    return uid

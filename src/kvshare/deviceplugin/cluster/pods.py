@@ -1,4 +1,10 @@
-"""Pending pods on this node and the GPUs the operator planned for them.
+"""The pods of this node, as the API server has them: who each is (for the broker's check
+of a pool's identity) and, for pending ones, the GPUs the operator planned.
+
+The watch is per node (field selector ``spec.nodeName``): the agent keeps every pod of
+its node that has not finished (:class:`PodFacts`: namespace, name, its
+``kvshare.io/modelserver`` label, its ``kvshare.io/gpu-memory`` request), so that a pool's
+connection is bound to a pod the agent knows, with the names of that pod.
 
 ``Allocate`` carries no pod identity, but the operator writes each replica's planned
 GPUs into its pod (annotation ``kvshare.io/gpus``, rank order) and pins the pod to the
@@ -26,7 +32,7 @@ from typing import Any
 
 from kvshare.api import names
 
-__all__ = ["PendingPods", "PlannedPod", "planned_pod"]
+__all__ = ["NodePods", "PlannedPod", "PodFacts", "planned_pod", "pod_facts"]
 
 log = logging.getLogger(__name__)
 
@@ -45,12 +51,64 @@ class PlannedPod:
     """The ``kvshare.io/gpu`` counts its containers request."""
 
 
+@dataclass(frozen=True)
+class PodFacts:
+    """A pod of this node that has not finished, as the API server has it."""
+
+    uid: str
+    namespace: str
+    name: str
+    modelserver: str
+    """Its ``kvshare.io/modelserver`` label ("" without one)."""
+    gpu_memory_bytes: int
+    """Its ``kvshare.io/gpu-memory`` request over all containers, in bytes."""
+
+
 def _get(obj: Any, *path: str) -> Any:
     for key in path:
         if obj is None:
             return None
         obj = obj.get(key) if isinstance(obj, dict) else getattr(obj, key, None)
     return obj
+
+
+def _on_node(pod: Any, node: str) -> bool:
+    return node in (_get(pod, "spec", "node_name"), _get(pod, "spec", "nodeName"))
+
+
+def _gpu_memory_units(pod: Any) -> int:
+    """The pod's ``kvshare.io/gpu-memory`` units (requests, else limits: for an extended
+    resource they are equal), over its containers; 0 when none or unreadable."""
+    units = 0
+    for container in _get(pod, "spec", "containers") or ():
+        resources = _get(container, "resources") or {}
+        for kind in ("requests", "limits"):
+            amount = (_get(resources, kind) or {}).get(names.RESOURCE_GPU_MEMORY)
+            if amount is not None:
+                try:
+                    units += max(int(str(amount)), 0)
+                except ValueError:
+                    return 0
+                break
+    return units
+
+
+def pod_facts(pod: Any, node: str) -> PodFacts | None:
+    """What the agent knows of ``pod`` (a client object or a dict) if it is a pod of
+    ``node`` that has not finished."""
+    if not _on_node(pod, node) or _get(pod, "status", "phase") in ("Succeeded", "Failed"):
+        return None
+    uid = str(_get(pod, "metadata", "uid") or "")
+    if not uid:
+        return None
+    labels = _get(pod, "metadata", "labels") or {}
+    return PodFacts(
+        uid=uid,
+        namespace=str(_get(pod, "metadata", "namespace") or ""),
+        name=str(_get(pod, "metadata", "name") or ""),
+        modelserver=str(labels.get(names.LABEL_MODELSERVER, "")),
+        gpu_memory_bytes=_gpu_memory_units(pod) * names.GPU_MEMORY_UNIT_BYTES,
+    )
 
 
 def planned_pod(pod: Any, node: str) -> PlannedPod | None:
@@ -95,8 +153,9 @@ def planned_pod(pod: Any, node: str) -> PlannedPod | None:
     )
 
 
-class PendingPods:
-    """Watches this node's pods and hands out planned GPUs (see the module docstring)."""
+class NodePods:
+    """Watches this node's pods: their facts, and planned GPUs to hand out (see the
+    module docstring)."""
 
     def __init__(
         self,
@@ -110,9 +169,11 @@ class PendingPods:
         self._node = node
         self._on_pod = on_pod
         self._claim_ttl = claim_ttl_s
-        self._lock = threading.Lock()  # guards _pods and _claimed
+        self._lock = threading.Lock()  # guards _pods, _facts, _claimed and _listed
         self._pods: dict[str, PlannedPod] = {}
+        self._facts: dict[str, PodFacts] = {}
         self._claimed: dict[str, float] = {}
+        self._listed = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._watch: Any = None
@@ -129,6 +190,17 @@ class PendingPods:
             self._watch.stop()
         if self._thread is not None:
             self._thread.join(timeout=5)
+
+    def facts(self, uid: str) -> PodFacts | None:
+        """The pod with ``uid`` if it is a pod of this node that has not finished."""
+        with self._lock:
+            return self._facts.get(uid)
+
+    @property
+    def listed(self) -> bool:
+        """Whether the node's pods have been listed once (before: nothing is known)."""
+        with self._lock:
+            return self._listed
 
     def known(self) -> list[PlannedPod]:
         """Pending pods with plans, oldest first."""
@@ -155,22 +227,24 @@ class PendingPods:
         return None
 
     def _update(self, kind: str, pod: Any) -> None:
-        if self._on_pod is not None and self._node in (
-            _get(pod, "spec", "node_name"),
-            _get(pod, "spec", "nodeName"),
-        ):
+        if self._on_pod is not None and _on_node(pod, self._node):
             try:
                 self._on_pod(kind, pod)
             except Exception:  # one consumer's bug must not stop the watch
                 log.exception("handling pod %s failed", _get(pod, "metadata", "name"))
         uid = str(_get(pod, "metadata", "uid") or _get(pod, "metadata", "name"))
         plan = planned_pod(pod, self._node) if kind != "DELETED" else None
+        facts = pod_facts(pod, self._node) if kind != "DELETED" else None
         with self._lock:
             if plan is None:
                 self._pods.pop(uid, None)
                 self._claimed.pop(uid, None)
             else:
                 self._pods[uid] = plan
+            if facts is None:
+                self._facts.pop(uid, None)
+            else:
+                self._facts[uid] = facts
 
     def _run(self) -> None:
         from kubernetes import client, watch
@@ -183,8 +257,11 @@ class PendingPods:
                 listing = core.list_pod_for_all_namespaces(field_selector=selector)
                 with self._lock:
                     self._pods.clear()
+                    self._facts.clear()
                 for pod in listing.items:
                     self._update("ADDED", pod)
+                with self._lock:
+                    self._listed = True
                 version = listing.metadata.resource_version if listing.metadata else None
                 self._watch = watch.Watch()  # type: ignore[no-untyped-call]
                 for event in self._watch.stream(

@@ -47,7 +47,10 @@ class PolicyRule:
 
 
 #: Everything the node agent asks of the Kubernetes API (a ClusterRole: KVShareNodes
-#: are cluster-scoped and the node's pods live in every namespace).
+#: are cluster-scoped and the node's pods live in every namespace). RBAC cannot narrow
+#: these to one node; the agent asks for its own node's objects only (the pod watch's
+#: field selector, the KVShareNode named after the node), and the chart's admission
+#: policy holds each agent's KVShareNode writes to its own node.
 RBAC_RULES: tuple[PolicyRule, ...] = (
     # Create this node's KVShareNode when missing; read it back.
     PolicyRule((names.GROUP,), (names.KVSHARENODE_PLURAL,), ("get", "create")),
@@ -56,10 +59,13 @@ RBAC_RULES: tuple[PolicyRule, ...] = (
     # The Node: its uid (the KVShareNode's owner), labels (the configuration to run) and
     # allocatable (another device plugin serving the same GPUs).
     PolicyRule(("",), ("nodes",), ("get",)),
-    # Pending pods on this node and their planned GPUs (preferred allocations).
+    # The pods of this node (spec.nodeName): who a pool's process is, and the planned GPUs
+    # of pending ones (preferred allocations).
     PolicyRule(("",), ("pods",), ("list", "watch")),
+    # Evict a pod that keeps holding more device memory than its lease.
+    PolicyRule(("",), ("pods/eviction",), ("create",)),
     # Warnings about the Node (another device plugin hands out its GPUs, an unknown
-    # configuration named by its label).
+    # configuration named by its label) and about pods that overuse their lease.
     PolicyRule(("",), ("events",), ("create",)),
 )
 

@@ -7,6 +7,10 @@ version and resource name (refusing with status UNKNOWN), dials the plugin back 
 ``<dir>/<endpoint>``, calls ``GetDevicePluginOptions`` and keeps a ``ListAndWatch``
 stream open; a re-registration replaces the previous endpoint of that resource. A
 restart deletes every socket in the directory, as a starting kubelet does.
+
+With ``pod_resources_socket`` it also serves the PodResources API there (``List``,
+``Get``, ``GetAllocatableResources``): the device ids it allocated to each pod's
+containers, as a kubelet records them (:meth:`StandInKubelet.allocate` with a pod).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import grpc
 
 from kvshare.api import names
 from kvshare.deviceplugin.kubelet.kubelet_api import API_VERSION, HEALTHY, pb, rpc
+from kvshare.deviceplugin.kubelet.pod_resources import prpb, prrpc
 
 __all__ = ["Endpoint", "StandInKubelet"]
 
@@ -51,14 +56,25 @@ class StandInKubelet:
     """The kubelet's device-plugin side: registration, dial-back, ListAndWatch, and the
     calls the kubelet makes at pod admission (GetPreferredAllocation, Allocate)."""
 
-    def __init__(self, directory: Path, dial_timeout_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        dial_timeout_s: float = 10.0,
+        *,
+        pod_resources_socket: Path | None = None,
+    ) -> None:
         self.directory = directory
         self.socket = directory / names.KUBELET_SOCKET_NAME
+        self.pod_resources_socket = pod_resources_socket
         self._dial_timeout = dial_timeout_s
-        self._cond = threading.Condition()  # guards _endpoints and registrations
+        # guards _endpoints, registrations and _assigned
+        self._cond = threading.Condition()
         self._endpoints: dict[str, Endpoint] = {}
         self.registrations: list[tuple[str, float]] = []
+        # (namespace, pod) -> container -> resource -> device ids
+        self._assigned: dict[tuple[str, str], dict[str, dict[str, list[str]]]] = {}
         self._server: grpc.Server | None = None
+        self._pod_resources: grpc.Server | None = None
 
     # --- lifecycle ------------------------------------------------------------------------
 
@@ -71,12 +87,23 @@ class StandInKubelet:
             raise OSError(f"cannot serve on {self.socket}")
         server.start()
         self._server = server
+        if self.pod_resources_socket is not None and self._pod_resources is None:
+            self.pod_resources_socket.parent.mkdir(parents=True, exist_ok=True)
+            listing = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+            prrpc.add_PodResourcesListerServicer_to_server(_PodResources(self), listing)
+            if not listing.add_insecure_port(f"unix://{self.pod_resources_socket}"):
+                raise OSError(f"cannot serve on {self.pod_resources_socket}")
+            listing.start()
+            self._pod_resources = listing
 
     def stop(self) -> None:
         """Stop serving and drop every plugin connection (the sockets stay)."""
         if self._server is not None:
             self._server.stop(grace=0).wait(5)
             self._server = None
+        if self._pod_resources is not None:
+            self._pod_resources.stop(grace=0).wait(5)
+            self._pod_resources = None
         with self._cond:
             for endpoint in self._endpoints.values():
                 endpoint.channel.close()
@@ -141,13 +168,52 @@ class StandInKubelet:
         response = self.endpoint(resource).stub.GetPreferredAllocation(request, timeout=10)
         return list(response.container_responses[0].deviceIDs)
 
-    def allocate(self, resource: str, device_ids: list[str]) -> Any:
-        """Allocate for one container; returns its ContainerAllocateResponse."""
+    def allocate(
+        self, resource: str, device_ids: list[str], pod: tuple[str, str, str] | None = None
+    ) -> Any:
+        """Allocate for one container; returns its ContainerAllocateResponse. With ``pod``
+        (namespace, name, container) the ids are recorded for the PodResources API."""
         request = pb.AllocateRequest(
             container_requests=[pb.ContainerAllocateRequest(devices_ids=device_ids)]
         )
         response = self.endpoint(resource).stub.Allocate(request, timeout=10)
+        if pod is not None:
+            namespace, name, container = pod
+            with self._cond:
+                containers = self._assigned.setdefault((namespace, name), {})
+                containers.setdefault(container, {})[resource] = list(device_ids)
         return response.container_responses[0]
+
+    def forget_pod(self, namespace: str, name: str) -> None:
+        """The pod is gone: PodResources no longer lists it."""
+        with self._cond:
+            self._assigned.pop((namespace, name), None)
+
+    def pod_resources(self, namespace: str, name: str) -> Any | None:
+        """The ``PodResources`` message of a pod, or None when it has none recorded."""
+        with self._cond:
+            containers = self._assigned.get((namespace, name))
+            if containers is None:
+                return None
+            return prpb.PodResources(
+                name=name,
+                namespace=namespace,
+                containers=[
+                    prpb.ContainerResources(
+                        name=container,
+                        devices=[
+                            prpb.ContainerDevices(resource_name=r, device_ids=ids)
+                            for r, ids in devices.items()
+                        ],
+                    )
+                    for container, devices in containers.items()
+                ],
+            )
+
+    def pods_with_resources(self) -> list[tuple[str, str]]:
+        """(namespace, name) of every pod with recorded devices."""
+        with self._cond:
+            return list(self._assigned)
 
     # --- called by the Registration service -----------------------------------------------
 
@@ -202,3 +268,30 @@ class _Registration:
         if problem is not None:
             context.abort(grpc.StatusCode.UNKNOWN, problem)
         return pb.Empty()
+
+
+class _PodResources:
+    """The PodResources API as a kubelet serves it, from the stand-in's records."""
+
+    def __init__(self, kubelet: StandInKubelet) -> None:
+        self._kubelet = kubelet
+
+    def List(self, request: Any, context: Any) -> Any:  # noqa: N802 - gRPC method name
+        del request, context
+        kubelet = self._kubelet
+        pods = [kubelet.pod_resources(ns, name) for ns, name in kubelet.pods_with_resources()]
+        return prpb.ListPodResourcesResponse(pod_resources=[p for p in pods if p is not None])
+
+    def Get(self, request: Any, context: Any) -> Any:  # noqa: N802
+        pod = self._kubelet.pod_resources(request.pod_namespace, request.pod_name)
+        if pod is None:
+            # What the kubelet answers (an error without a status: UNKNOWN on the wire).
+            context.abort(
+                grpc.StatusCode.UNKNOWN,
+                f"pod {request.pod_name} in namespace {request.pod_namespace} not found",
+            )
+        return prpb.GetPodResourcesResponse(pod_resources=pod)
+
+    def GetAllocatableResources(self, request: Any, context: Any) -> Any:  # noqa: N802
+        del request, context
+        return prpb.AllocatableResourcesResponse()

@@ -1,10 +1,11 @@
-"""Generate the kubelet device plugin API stubs from ``v1beta1/api.proto``.
+"""Generate the kubelet API stubs: the device plugin API (``v1beta1/api.proto``) and the
+PodResources API (``podresources/v1/api.proto``).
 
 ``python -m kvshare.deviceplugin.kubelet.protogen`` (what ``make proto`` runs, and what an
-image build runs) writes ``api_pb2.py``, ``api_pb2.pyi`` and ``api_pb2_grpc.py`` next to the
-``.proto``. They are generated, never committed, so they cannot drift from the ``.proto``.
-Needs ``grpcio-tools``; the generated code needs the ``grpcio``/``protobuf`` versions it
-was generated with or newer.
+image build runs) writes ``api_pb2.py``, ``api_pb2.pyi`` and ``api_pb2_grpc.py`` next to
+each ``.proto``. They are generated, never committed, so they cannot drift from the
+``.proto``. Needs ``grpcio-tools``; the generated code needs the ``grpcio``/``protobuf``
+versions it was generated with or newer.
 """
 
 from __future__ import annotations
@@ -12,17 +13,20 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-__all__ = ["PROTO", "generate"]
+__all__ = ["PROTO", "PROTOS", "generate"]
 
-#: The ``.proto``; its import path (``kvshare/deviceplugin/kubelet/v1beta1/api.proto``) makes
-#: the generated modules import each other as ``kvshare.deviceplugin.kubelet.v1beta1.*``.
+#: The device plugin API's ``.proto``; its import path
+#: (``kvshare/deviceplugin/kubelet/v1beta1/api.proto``) makes the generated modules import
+#: each other as ``kvshare.deviceplugin.kubelet.v1beta1.*``.
 PROTO = Path(__file__).resolve().parent / "v1beta1" / "api.proto"
+#: Every ``.proto`` of the kubelet's APIs the node agent speaks.
+PROTOS = (PROTO, Path(__file__).resolve().parent / "podresources" / "v1" / "api.proto")
 #: ``src/``: the folder above ``kvshare/`` (v1beta1, kubelet, deviceplugin, kvshare, src).
 _SOURCE_ROOT = PROTO.parents[4]
 
 
 def generate() -> None:
-    """Run ``grpc_tools.protoc`` on :data:`PROTO`; raises RuntimeError when it fails."""
+    """Run ``grpc_tools.protoc`` on :data:`PROTOS`; raises RuntimeError when it fails."""
     try:
         from grpc_tools import protoc
     except ImportError:
@@ -30,21 +34,21 @@ def generate() -> None:
             "grpcio-tools is not installed: `pip install grpcio-tools` (or `make venv`) "
             "to generate the kubelet API stubs"
         ) from None
-    relative = PROTO.relative_to(_SOURCE_ROOT)
     include = Path(protoc.__file__).resolve().parent / "_proto"
-    status = protoc.main(
-        [
-            "grpc_tools.protoc",
-            f"-I{_SOURCE_ROOT}",
-            f"-I{include}",
-            f"--python_out={_SOURCE_ROOT}",
-            f"--pyi_out={_SOURCE_ROOT}",
-            f"--grpc_python_out={_SOURCE_ROOT}",
-            str(relative),
-        ]
-    )
-    if status != 0:
-        raise RuntimeError(f"protoc failed on {PROTO} (exit status {status})")
+    for proto in PROTOS:
+        status = protoc.main(
+            [
+                "grpc_tools.protoc",
+                f"-I{_SOURCE_ROOT}",
+                f"-I{include}",
+                f"--python_out={_SOURCE_ROOT}",
+                f"--pyi_out={_SOURCE_ROOT}",
+                f"--grpc_python_out={_SOURCE_ROOT}",
+                str(proto.relative_to(_SOURCE_ROOT)),
+            ]
+        )
+        if status != 0:
+            raise RuntimeError(f"protoc failed on {proto} (exit status {status})")
 
 
 if __name__ == "__main__":

@@ -11,11 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
-from kvshare.api.wire import Codec, Message
+from kvshare.api.wire import Codec, Message, ProtocolError
+from kvshare.deviceplugin.broker import peers
 from kvshare.deviceplugin.broker.books import Books, Send
+from kvshare.deviceplugin.broker.connections import auth
 from kvshare.deviceplugin.broker.views import BooksView
 
-__all__ = ["ADMIN_CODEC", "OPS", "AdminReply", "AdminRequest", "execute"]
+__all__ = ["ADMIN_CODEC", "OPS", "AdminReply", "AdminRequest", "answer", "execute"]
 
 Op = Literal["list", "set-max", "drain", "undrain"]
 OPS: tuple[str, ...] = ("list", "set-max", "drain", "undrain")
@@ -48,6 +50,20 @@ class AdminReply(Message):
 MAX_REPLY_BYTES = 8 * 2**20
 
 ADMIN_CODEC = Codec((AdminRequest, AdminReply), max_frame_bytes=MAX_REPLY_BYTES)
+
+
+def answer(
+    books: Books, message: Message, peer: peers.Peer, now: float
+) -> tuple[AdminReply, list[Send], str | None]:
+    """The reply to ``message`` from ``peer`` (under the broker's lock), the messages it
+    makes pools get, and why the peer may not ask, if it may not (:mod:`.auth`)."""
+    if not isinstance(message, AdminRequest):
+        raise ProtocolError(f"{message.TYPE!r} is not an admin request")
+    problem = auth.admin_problem(peer)
+    if problem is not None:
+        return AdminReply(ok=False, error=problem), [], problem
+    reply, sends = execute(books, message, now)
+    return reply, sends, None
 
 
 def execute(books: Books, request: AdminRequest, now: float) -> tuple[AdminReply, list[Send]]:

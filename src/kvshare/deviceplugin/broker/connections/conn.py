@@ -10,32 +10,50 @@ import selectors
 import socket
 from typing import Literal
 
-from kvshare.api.wire import MAX_REQUEST_BYTES, FrameReader
+from kvshare.api.wire import MAX_REQUEST_BYTES, FrameReader, Hello, TurnRequest
 from kvshare.deviceplugin.broker.peers import Peer
+from kvshare.deviceplugin.broker.verification import Tenant
 
 __all__ = ["MAX_OUTBOX_BYTES", "Conn", "Role"]
 
 #: A peer that lets this much unsent data pile up is not reading: it is disconnected.
 MAX_OUTBOX_BYTES = 1 << 20
 
-#: What a connection is for: not yet said (``new``), a pool's, a start-up turn's, an admin
-#: request's, or done with.
-Role = Literal["new", "pool", "turn", "admin", "closed"]
+#: What a connection is for: not yet said (``new``), said but waiting for its pod to be
+#: known (``verifying``), a pool's, a start-up turn's, an admin request's, or done with.
+Role = Literal["new", "verifying", "pool", "turn", "admin", "closed"]
 
 
 class Conn:
     """One accepted connection (loop thread only)."""
 
-    __slots__ = ("id", "out", "peer", "pool_id", "reader", "role", "sock")
+    __slots__ = (
+        "id",
+        "out",
+        "peer",
+        "pending",
+        "pool_id",
+        "reader",
+        "role",
+        "sock",
+        "tenant",
+        "wait_until",
+    )
 
-    def __init__(self, conn_id: int, sock: socket.socket, peer: Peer, role: Role) -> None:
+    def __init__(
+        self, conn_id: int, sock: socket.socket, peer: Peer, role: Role, tenant: Tenant
+    ) -> None:
         self.id = conn_id
         self.sock = sock
         self.peer = peer
         self.role: Role = role
+        self.tenant = tenant
         self.reader = FrameReader(MAX_REQUEST_BYTES)
         self.out = bytearray()
         self.pool_id = 0
+        self.pending: Hello | TurnRequest | None = None
+        """The first message, while it waits for its pod to be known."""
+        self.wait_until = 0.0
 
     def write(self, frame: bytes, selector: selectors.BaseSelector) -> bool:
         """Send ``frame``, queueing what the socket does not take now (and asking
