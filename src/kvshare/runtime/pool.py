@@ -979,8 +979,21 @@ class KVPool:
             # keep asking while that makes progress and the pool is still over its lease.
             while self._evict_for_lease():
                 changed = self._rebalance() or changed  # unmap what the eviction emptied
+            cache_pages = self._cache_pages()
             with self._lock:
-                desired = self._mapped_pages - len(self._ready) + self._reserve_pages
+                # Ready pages are kept so that new blocks need not wait for a page to be
+                # mapped. Free blocks in pages already mapped serve as fast, and so does
+                # the engine's own prefix cache beyond a reserve's worth of it (it reuses
+                # cached blocks when the pool has no fresh ones; the first ones may be a
+                # prefix its next requests hit): room the pool has is no reason to ask
+                # the broker for more. A server whose lease is full of cache, or of pages
+                # its finished requests left partly empty, would otherwise ask for ever,
+                # keep what it holds from a pool that waits, and reclaims would trade one
+                # server's cache for another's.
+                spare = self._free_partial // max(1, self._min_cap)
+                spare += max(0, cache_pages - self._reserve_pages)
+                ahead = max(0, self._reserve_pages - spare)
+                desired = self._mapped_pages - len(self._ready) + ahead
             if desired > self._limit_pages:
                 self._want(desired)
             report_due, self._report_due = self._report_due, False
@@ -995,6 +1008,14 @@ class KVPool:
         due = self._wake.is_set()
         self._wake.clear()
         return due
+
+    def _cache_pages(self) -> int:
+        """Pages' worth of blocks the engine keeps only as prefix cache (0 without an
+        evictor). Never called with ``_lock`` held (the evictor takes the engine's lock)."""
+        evictor = self._evictor
+        if evictor is None:
+            return 0
+        return evictor.cached_blocks() // max(1, self._min_cap)
 
     def _rebalance(self) -> bool:
         """Drop ready pages beyond the lease or the reserve, or refill the reserve within the

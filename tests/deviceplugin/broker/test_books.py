@@ -424,6 +424,9 @@ class Reckless:
     def reclaims(self, gpu: GpuState) -> dict[int, int]:
         return {p.id: -1 for p in gpu.pools}
 
+    def waiting_for(self, gpu: GpuState) -> dict[int, int]:
+        return {p.id: gpu.budget for p in gpu.pools}
+
 
 @settings(max_examples=300, deadline=None)
 @given(st.lists(operation, min_size=10, max_size=80))

@@ -252,14 +252,29 @@ class Broker:
 
     @property
     def alive(self) -> bool:
-        """The loop turned within the last few seconds."""
-        return self._serving and time.monotonic() - self._beat < 5.0
+        """The loop turned within the last few seconds, or turns when woken now (an agent
+        stopped and continued has all its threads stale at once: the one asking must not
+        take the loop for stuck before it had a chance to turn)."""
+        if not self._serving:
+            return False
+        seen = self._beat
+        if time.monotonic() - seen < 5.0:
+            return True
+        self._wake()
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            if self._beat != seen:
+                return True
+            time.sleep(0.01)
+        return False
 
     @property
     def ready(self) -> bool:
         """Serving, and not waiting for pools of a previous broker."""
+        if not self.alive:
+            return False
         with self._lock:
-            return self.alive and not self._books.recovering
+            return not self._books.recovering
 
     # --- the loop -----------------------------------------------------------------------
 
@@ -277,7 +292,14 @@ class Broker:
                 # period rather than per message, keeping the per-message path small.
                 self._tick()
                 next_tick = now + _TICK_S
-            for key, mask in self._selector.select(max(next_tick - now, 0.0)):
+            events = self._selector.select(max(next_tick - now, 0.0))
+            # The loop turns: a stopped agent (SIGSTOP) that runs again is alive at once,
+            # not only once it has worked through what queued meanwhile.
+            self._beat = time.monotonic()
+            # New connections and admin requests first: after a stop, pools' reports have
+            # queued too, and `kvshare ctl` should not wait behind all of them.
+            events.sort(key=self._urgency)
+            for key, mask in events:
                 kind, value = key.data
                 try:
                     if kind == "conn":
@@ -299,6 +321,14 @@ class Broker:
                 except Exception:
                     # One bad event must never take the broker down.
                     log.exception("broker: unexpected error handling %s event", kind)
+
+    def _urgency(self, event: tuple[selectors.SelectorKey, int]) -> int:
+        """0 for new connections and admin requests, 1 for the rest."""
+        kind, value = event[0].data
+        if kind == "listen":
+            return 0
+        conn = self._conns.get(value) if kind == "conn" else None
+        return 0 if conn is not None and conn.role in ("admin", "new") else 1
 
     def _tick(self) -> None:
         now = time.monotonic()
