@@ -1,10 +1,10 @@
 """``kvshare node`` as a process that tests and benchmarks stop, freeze, kill and restart.
 
 One fake GPU; the broker socket, and the admin socket and restart file, in two folders of
-one directory (so a restarted agent finds its predecessor's pools); ``/metrics`` and ``/readyz`` on one
-loopback port that stays the same across restarts; the log of every run appended to one
-file. The agent is reached only through its real interfaces: the admin socket (the books,
-as ``kvshare ctl`` sees them) and its HTTP endpoint.
+one directory (so a restarted agent finds its predecessor's pools); ``/metrics`` and
+``/readyz`` on one loopback port that stays the same across restarts; the log of every run
+appended to one file. The agent is reached only through its real interfaces: the admin
+socket (the books, as ``kvshare ctl`` sees them) and its HTTP endpoint.
 """
 
 from __future__ import annotations
