@@ -120,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     if crashed:
         print(f"failed with an error: {', '.join(crashed)}")
     if args.write:
-        command = "python bench/run.py --all" + (" --quick" if args.quick else "")
+        named = "--all" if args.all else " ".join(names)
+        command = f"python bench/run.py {named}" + (" --quick" if args.quick else "")
         write_report(
             Path(args.write),
             results,
