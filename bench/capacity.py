@@ -40,13 +40,13 @@ from kvshare.twin.worlds import TwinOptions, world_names
 SEEDS = (0, 1, 2)
 CLASSES = families.MODEL_CLASSES
 GPU = "h200_sxm"
-PRECISION = 0.03
+PRECISION = 0.015
 WORKERS = 2
 FLEET = 48
 #: --quick: these families at seed 0, a shorter run, a coarser precision.
 QUICK_FAMILIES = ("fleet-onoff", "long-context")
 QUICK_DURATION_S = 120.0
-QUICK_PRECISION = 0.06
+QUICK_PRECISION = 0.03
 #: The targets on the default policy (per model class).
 AT_LEAST_STATIC = 0.98
 AT_LEAST_FIRST_COME = 0.98

@@ -143,10 +143,15 @@ class SloMonitor:
     :class:`~kvshare.demo.engine_api.RequestObserver`), and stops the clock once every
     request is judged or the SLO is certainly missed."""
 
-    def __init__(self, slo: Slo, model_of: Sequence[int], models: int) -> None:
+    def __init__(
+        self, slo: Slo, model_of: Sequence[int], models: int, *, judge_early: bool = True
+    ) -> None:
         """``model_of[rid]`` is the model of request ``rid`` (requests are numbered from
-        0); ``models`` how many models the workload has."""
+        0); ``models`` how many models the workload has. ``judge_early=False`` lets the
+        run go on to its end even once the SLO is missed, so that every request's
+        attainment is counted (for curves of attainment against load)."""
         self.slo = slo
+        self.judge_early = judge_early
         self._clock = SimClock()
         self._model_of = model_of
         counts = [0] * models
@@ -169,7 +174,8 @@ class SloMonitor:
         wait has already passed the TTFT target."""
         self._clock = clock
         self._engines = list(zip(engines, range(len(engines)), strict=True))
-        self._clock.at(self._clock.now + CHECK_EVERY_S, self._check)
+        if self.judge_early:
+            self._clock.at(self._clock.now + CHECK_EVERY_S, self._check)
 
     # --- the engines' observer ----------------------------------------------------------
     def first_token(self, request: EngineRequest, at_s: float) -> None:
@@ -198,7 +204,7 @@ class SloMonitor:
             self._missed[model] += 1
         if len(self.records) == self.total:
             self._clock.stopped = True
-        elif self._certainly_missed(0, [0] * len(self.per_model)):
+        elif self.judge_early and self._certainly_missed(0, [0] * len(self.per_model)):
             self.failed = self._clock.stopped = True
 
     # --- judging early ----------------------------------------------------------------------

@@ -81,6 +81,9 @@ class TwinOptions:
     latency_s: float = 0.001
     #: kvshare: seconds a pool has to honour a reclaim (the node agent's default).
     reclaim_deadline_s: float = 10.0
+    #: Stop a run as soon as the SLO is certainly missed (False: run every request, so
+    #: that the verdict's attainment counts all of them).
+    judge_early: bool = True
 
     def __post_init__(self) -> None:
         if self.sharing not in ARBITERS:
@@ -163,7 +166,10 @@ class _Run:
         self.requests = _requests(workload)
         index = {spec.name: i for i, spec in enumerate(workload.models)}
         self.monitor = SloMonitor(
-            workload.slo, [index[r.model] for r in workload.requests], len(workload.models)
+            workload.slo,
+            [index[r.model] for r in workload.requests],
+            len(workload.models),
+            judge_early=options.judge_early,
         )
 
     def engine(self, model: int, allocator: BlockAllocator) -> EngineSim:
