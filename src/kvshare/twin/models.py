@@ -140,7 +140,9 @@ def architecture_from_config(name: str, config: dict[str, Any], source: str) -> 
             source=source,
         )
     except (KeyError, TypeError, ValueError) as bad:
-        raise UnknownArchitectureError(f"config of {name} ({source}) is unusable: {bad!r}") from None
+        raise UnknownArchitectureError(
+            f"config of {name} ({source}) is unusable: {bad!r}"
+        ) from None
 
 
 @functools.cache
@@ -221,9 +223,7 @@ def kv_budget(footprints: Sequence[Footprint], gpu: DeviceMemory) -> int:
     return gpu.usable_bytes - sum(f.static_bytes for f in footprints)
 
 
-def check_fits(
-    footprints: Sequence[Footprint], gpu: DeviceMemory, kv_needed: Sequence[int]
-) -> int:
+def check_fits(footprints: Sequence[Footprint], gpu: DeviceMemory, kv_needed: Sequence[int]) -> int:
     """The KV budget of ``footprints`` on ``gpu``, or :class:`DoesNotFitError` when it
     cannot hold ``kv_needed[i]`` bytes for model ``i`` (its longest request) at once."""
     usable = gpu.usable_bytes / GIB

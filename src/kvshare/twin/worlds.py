@@ -286,6 +286,7 @@ def kvshare(workload: Workload, options: TwinOptions, policy: str = DEFAULT_POLI
         latency_s=options.latency_s,
         reclaim_deadline_s=options.reclaim_deadline_s,
         maintain_when_woken=True,
+        granularity=device.page_granule,
     )
 
     def make_engine(model: int, pool: KVPool) -> EngineSim:
