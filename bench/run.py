@@ -44,6 +44,7 @@ BENCHMARKS = (
     "fuzz",
     "vllm-overhead",
     "elastic-vllm",
+    "twin-check",
     "agent-faults",
 )
 

@@ -56,11 +56,14 @@ def allowed_misses(count: int, share: float) -> int:
 @dataclass(frozen=True)
 class RequestRecord:
     """What one request got: its model, and its TTFT and TPOT in seconds (None: it gave
-    up before its first token)."""
+    up before its first token); when it arrived, and when its last token came (None: it
+    gave up, or it was never judged)."""
 
     model: int
     ttft_s: float | None
     tpot_s: float | None
+    arrival_s: float = 0.0
+    last_token_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -185,15 +188,21 @@ class SloMonitor:
         outputs = request.output_tokens
         tpot = (last_token_s - first_token_s) / (outputs - 1) if outputs > 1 else 0.0
         ttft = self._first.pop(request.rid, first_token_s - request.arrival_s)
-        self._record(request, ttft, tpot)
+        self._record(request, ttft, tpot, last_token_s)
 
     def gave_up(self, request: EngineRequest, at_s: float) -> None:
         self._first.pop(request.rid, None)
-        self._record(request, None, None)
+        self._record(request, None, None, None)
 
-    def _record(self, request: EngineRequest, ttft: float | None, tpot: float | None) -> None:
+    def _record(
+        self,
+        request: EngineRequest,
+        ttft: float | None,
+        tpot: float | None,
+        last_token_s: float | None,
+    ) -> None:
         model = self._model_of[request.rid]
-        record = RequestRecord(model, ttft, tpot)
+        record = RequestRecord(model, ttft, tpot, request.arrival_s, last_token_s)
         self.records.append(record)
         self._judged[model] += 1
         if ttft is None or ttft > self.slo.ttft_p99_s:
