@@ -62,7 +62,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvshare.runtime.errors import (
@@ -75,7 +74,7 @@ from kvshare.runtime.fence import StepFence
 from kvshare.runtime.geometry import KVGeometry
 from kvshare.runtime.lease import LeaseSource, PoolUsage
 from kvshare.runtime.ownership import LocalOwnership, Ownership
-from kvshare.runtime.pool_blocks import NULL_BLOCK, PageBlocks
+from kvshare.runtime.pool_blocks import NULL_BLOCK, Exhausted, PageBlocks
 from kvshare.runtime.pool_eviction import Eviction, Evictor
 from kvshare.runtime.pool_lease import WANT_RETRY_S, LeaseLimit
 from kvshare.runtime.pool_pages import Pages
@@ -96,25 +95,6 @@ _IN_FLIGHT_WAIT_S = 1.0  # longest wait for pages in flight before trying again
 DEFAULT_LEASE_CHUNK_BYTES = 256 * 2**20
 _WANT_RETRY_S = WANT_RETRY_S  # how often the first page's ask is said again
 _SHRINK_POLL_S = 0.5
-
-
-@dataclass(frozen=True)
-class Exhausted:
-    """What :meth:`KVPool.alloc` returns when it cannot serve a request. Falsy.
-
-    Nothing was allocated. The engine preempts or queues and tries again later.
-    """
-
-    reason: str
-    """Why: the lease is reached, the pool is shrinking, the virtual capacity is full, the
-    device is out of memory, or the kernel's mapping limit is reached (with what to do)."""
-    requested: int
-    """Blocks asked for."""
-    available: int
-    """Blocks :meth:`KVPool.alloc` could have handed out at that moment."""
-
-    def __bool__(self) -> bool:
-        return False
 
 
 class KVPool:
@@ -454,7 +434,8 @@ class KVPool:
             # keep asking while that makes progress and the pool is still over its lease.
             while self._eviction.run(self._pages.held - self._pages.fenced - self._limit.pages):
                 changed = self._rebalance() or changed  # unmap what the eviction emptied
-            cache_pages = self._cache_pages()
+            # Pages' worth of prefix cache; asked outside _lock (the evictor takes the engine's).
+            cache_pages = self._eviction.cached_blocks() // max(1, self._blocks.min_cap)
             with self._lock:
                 # Ready pages are kept so that new blocks need not wait for a page to be
                 # mapped. Free blocks in pages already mapped serve as fast, and so does
@@ -482,11 +463,6 @@ class KVPool:
         due = self._wake.is_set()
         self._wake.clear()
         return due
-
-    def _cache_pages(self) -> int:
-        """Pages' worth of blocks the engine keeps only as prefix cache (0 without an
-        evictor). Never called with ``_lock`` held (the evictor takes the engine's lock)."""
-        return self._eviction.cached_blocks() // max(1, self._blocks.min_cap)
 
     def _rebalance(self) -> bool:
         """Drop ready pages beyond the lease or the reserve, or refill the reserve within the
