@@ -225,7 +225,7 @@ def measure(quick: bool) -> Result:
         notes=(
             f"{len(rows)} workloads: {', '.join(chosen)} x {', '.join(CLASSES)} models x "
             f"seeds {', '.join(map(str, seeds))} on one {GPU}, default SLO; every world's "
-            f"capacity (largest load scale at the SLO) to {precision:.0%}. Targets on "
+            f"capacity (largest load scale at the SLO) to {precision:.1%}. Targets on "
             f"kvshare:{DEFAULT_POLICY}. In simulated time (kvshare.twin): the same numbers on "
             "any machine. One workload: python -m kvshare.twin --family NAME --seed N "
             "--model-class CLASS."
