@@ -1,5 +1,6 @@
-"""The node agent's memory broker, seen from a KV pool: :class:`BrokerLease` and
-:func:`startup_turn`.
+"""The node agent's memory broker, seen from a KV pool: :class:`BrokerLease`, and the
+names of :mod:`.broker_link` and :mod:`.startup_turn` that every user of the broker needs
+(identity, policy, errors, the start-up turn).
 
 :class:`BrokerLease` is the :class:`~kvshare.runtime.lease.LeaseSource` of a pool that
 runs under the node agent. The pool's hot path only reads :meth:`BrokerLease.limit` and
@@ -29,13 +30,9 @@ import os
 import random
 import selectors
 import socket
-import stat
 import threading
 import time
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
 
-from kvshare.api import env
 from kvshare.api.wire import (
     BROKER_CODEC,
     PROTOCOL_VERSION,
@@ -47,14 +44,24 @@ from kvshare.api.wire import (
     ProtocolError,
     Reclaim,
     Refused,
-    TurnDone,
-    TurnGranted,
-    TurnRefused,
-    TurnRequest,
     Welcome,
+)
+from kvshare.runtime.broker_link import (
+    AdmissionRefusedError,
+    BrokerError,
+    BrokerUnavailableError,
+    PoolIdentity,
+    PoolPolicy,
+    StartupTurnRefusedError,
+    StartupTurnTimeoutError,
+    broker_present,
+    broker_socket_path,
+    connect,
+    read_messages,
 )
 from kvshare.runtime.lease import LeaseHolder, LeaseSource, PoolUsage
 from kvshare.runtime.lease_conversation import IDLE_S, LeaseConversation
+from kvshare.runtime.startup_turn import startup_turn
 
 __all__ = [
     "DEFAULT_SLOW_START_WINDOW_S",
@@ -66,6 +73,7 @@ __all__ = [
     "PoolPolicy",
     "StartupTurnRefusedError",
     "StartupTurnTimeoutError",
+    "broker_present",
     "broker_socket_path",
     "startup_turn",
 ]
@@ -75,130 +83,6 @@ log = logging.getLogger(__name__)
 DEFAULT_CHUNK_PAGES = 16
 #: A pool that wants more this soon after being granted all it asked for is still growing.
 DEFAULT_SLOW_START_WINDOW_S = 1.0
-
-
-class BrokerError(RuntimeError):
-    """Base of the broker client's errors."""
-
-
-class BrokerUnavailableError(BrokerError):
-    """No broker answers at the socket."""
-
-
-class AdmissionRefusedError(BrokerError):
-    """The broker refused this pool; the message carries its reason."""
-
-
-class StartupTurnTimeoutError(BrokerError, TimeoutError):
-    """The GPU's start-up turn did not come within the timeout."""
-
-
-class StartupTurnRefusedError(BrokerError):
-    """The broker refused the start-up turn (e.g. the engine cannot fit on the GPU)."""
-
-
-@dataclass(frozen=True)
-class PoolIdentity:
-    """Who the pool belongs to (pod identity from the downward API, engine facts)."""
-
-    namespace: str = ""
-    pod: str = ""
-    pod_uid: str = ""
-    modelserver: str = ""
-    rank: int = 0
-    tp_size: int = 1
-    engine: str = ""
-
-    @classmethod
-    def from_env(
-        cls,
-        environ: Mapping[str, str] | None = None,
-        *,
-        rank: int = 0,
-        tp_size: int = 1,
-        engine: str = "",
-    ) -> PoolIdentity:
-        """Pod identity from ``KVSHARE_POD_*``/``KVSHARE_MODELSERVER``; the rest from
-        the engine, which knows its rank and tensor-parallel size."""
-        return cls(
-            namespace=env.POD_NAMESPACE.read(environ) or "",
-            pod=env.POD_NAME.read(environ) or "",
-            pod_uid=env.POD_UID.read(environ) or "",
-            modelserver=env.MODELSERVER.read(environ) or "",
-            rank=rank,
-            tp_size=tp_size,
-            engine=engine,
-        )
-
-
-@dataclass(frozen=True)
-class PoolPolicy:
-    """How much the pool is guaranteed, may take, and gives back first."""
-
-    kv_min: int = 0
-    kv_max: int | None = None
-    priority: int = 100
-    static: int = 0
-    page_size: int = 2 * 2**20
-    capacity: int | None = None
-    """The most the pool can ever hold (its virtual size); the broker's cap (``kv_max``,
-    which may be raised in place) is enforced by the broker. None: ``kv_max``."""
-
-    @property
-    def ceiling(self) -> int | None:
-        """The most the pool ever asks for."""
-        return self.capacity if self.capacity is not None else self.kv_max
-
-    @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> PoolPolicy:
-        """``KVSHARE_KV_MIN``/``KV_MAX``/``KV_CAPACITY``/``KV_PRIORITY``/``STATIC_BYTES``/
-        ``PAGE_SIZE``."""
-        return cls(
-            kv_min=env.KV_MIN.require(environ),
-            kv_max=env.KV_MAX.read(environ),
-            capacity=env.KV_CAPACITY.read(environ),
-            priority=env.KV_PRIORITY.require(environ),
-            static=env.STATIC_BYTES.require(environ),
-            page_size=env.PAGE_SIZE.require(environ),
-        )
-
-
-def broker_socket_path(environ: Mapping[str, str] | None = None) -> str:
-    """The broker socket named by ``KVSHARE_BROKER_SOCKET`` (or its default)."""
-    return env.BROKER_SOCKET.require(environ)
-
-
-def _connect(path: str, timeout: float) -> socket.socket:
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.settimeout(timeout)
-    try:
-        sock.connect(path)
-    except FileNotFoundError:
-        sock.close()
-        raise BrokerUnavailableError(
-            f"no broker socket at {path}: is the kvshare node agent running on this node "
-            "(and /run/kvshare mounted)? For standalone use set KVSHARE_KV_LIMIT instead"
-        ) from None
-    except OSError as exc:
-        sock.close()
-        raise BrokerUnavailableError(f"cannot connect to the broker at {path}: {exc}") from None
-    return sock
-
-
-def _read_some(sock: socket.socket, reader: FrameReader, deadline: float) -> list[Message]:
-    """Block until at least one whole message arrives (or the deadline passes); returns
-    every message that arrived with it, in order."""
-    while True:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise TimeoutError("no answer from the broker in time")
-        sock.settimeout(remaining)
-        data = sock.recv(1 << 16)
-        if not data:
-            raise ConnectionError("the broker closed the connection")
-        payloads = reader.feed(data)
-        if payloads:
-            return [BROKER_CODEC.decode(p) for p in payloads]
 
 
 class BrokerLease(LeaseSource):
@@ -370,11 +254,11 @@ class BrokerLease(LeaseSource):
         )
 
     def _handshake(self, resume: bool) -> Welcome:
-        sock = _connect(self.socket_path, self._connect_timeout)
+        sock = connect(self.socket_path, self._connect_timeout)
         reader = FrameReader()
         try:
             sock.sendall(BROKER_CODEC.encode(self._hello(resume)))
-            answer, *backlog = _read_some(sock, reader, time.monotonic() + self._connect_timeout)
+            answer, *backlog = read_messages(sock, reader, time.monotonic() + self._connect_timeout)
         except (OSError, TimeoutError, ProtocolError) as exc:
             sock.close()
             raise BrokerUnavailableError(
@@ -599,73 +483,3 @@ class BrokerLease(LeaseSource):
             self._talk.reclaimed(reclaim)
         if self._holder is not None:
             self._holder.lease_changed(reclaim.limit)
-
-
-@contextlib.contextmanager
-def startup_turn(
-    gpu: str,
-    *,
-    static_bytes: int = 0,
-    kv_min: int = 0,
-    timeout_s: float | None = None,
-    socket_path: str | None = None,
-    identity: PoolIdentity | None = None,
-    group: str = "",
-) -> Iterator[TurnGranted]:
-    """Hold the GPU's start-up turn while an engine loads and profiles memory.
-
-    One engine per GPU at a time; the broker first makes room for ``static_bytes`` +
-    ``kv_min`` (reclaiming lent memory). A rank of a tensor-parallel group (``identity``'s
-    TP size > 1) names its ``group``: the broker gives the group's turns all at once, once
-    every rank has asked, so ranks waiting for each other inside their turns never
-    deadlock against another group. Yields the grant: the longest the turn may be held
-    (the broker takes it back after that) and the GPU's memory. Raises
-    :class:`StartupTurnTimeoutError` after ``timeout_s`` (default
-    ``KVSHARE_STARTUP_TIMEOUT``), :class:`StartupTurnRefusedError` when the engine cannot
-    fit, :class:`BrokerUnavailableError` without a broker.
-    """
-    wait = timeout_s if timeout_s is not None else env.STARTUP_TIMEOUT.require()
-    path = socket_path or broker_socket_path()
-    who = identity or PoolIdentity()
-    sock = _connect(path, min(wait, 5.0))
-    try:
-        request = TurnRequest(
-            seq=1,
-            gpu=gpu,
-            static=static_bytes,
-            kv_min=kv_min,
-            pod_uid=who.pod_uid,
-            rank=who.rank,
-            group=group if who.tp_size > 1 else "",
-            group_size=who.tp_size if group else 1,
-        )
-        sock.sendall(BROKER_CODEC.encode(request))
-        try:
-            answer = _read_some(sock, FrameReader(), time.monotonic() + wait)[0]
-        except TimeoutError:
-            raise StartupTurnTimeoutError(
-                f"no start-up turn on GPU {gpu} within {wait:g} s (another engine is still "
-                "starting there; raise KVSHARE_STARTUP_TIMEOUT to wait longer)"
-            ) from None
-        except (OSError, ProtocolError) as exc:
-            raise BrokerUnavailableError(
-                f"lost the broker while waiting for a turn: {exc}"
-            ) from None
-        if isinstance(answer, TurnRefused | Refused):
-            raise StartupTurnRefusedError(f"start-up turn on GPU {gpu} refused: {answer.reason}")
-        if not isinstance(answer, TurnGranted):
-            raise BrokerUnavailableError(f"unexpected {answer.TYPE!r} from the broker")
-        log.info("holding the start-up turn of GPU %s", gpu)
-        yield answer
-        with contextlib.suppress(OSError):
-            sock.sendall(BROKER_CODEC.encode(TurnDone(seq=request.seq)))
-    finally:
-        sock.close()
-
-
-def broker_present(path: str) -> bool:
-    """Whether ``path`` is a unix socket (a node agent's broker may answer there)."""
-    try:
-        return stat.S_ISSOCK(os.stat(path).st_mode)
-    except OSError:
-        return False
