@@ -37,18 +37,13 @@ names the same group). With one worker in the scheduler's process the group has 
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import copy
-import dataclasses
 import logging
-import re
-from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvshare.runtime.engines import pools
 from kvshare.runtime.engines.patching import AnyCallable, Deferred, Patch, PatchSet, Target
-from kvshare.runtime.engines.pools import EngineConfigError, Role
+from kvshare.runtime.engines.pools import EngineConfigError
 from kvshare.runtime.engines.vllm_blocks import (
     attach,
     finishing_a_step,
@@ -57,166 +52,43 @@ from kvshare.runtime.engines.vllm_blocks import (
     signalling_shortfall,
     usage_of_held_memory,
 )
-
-if TYPE_CHECKING:
-    import torch
-
-    from kvshare.runtime.geometry import KVGeometry
+from kvshare.runtime.engines.vllm_groups import (
+    ENGINE,
+    Group,
+    close_startup_turn,
+    current_scheduler,
+    group_of,
+    hold_startup_turn,
+    scheduler_context,
+    tp_rank,
+    worker_context,
+)
+from kvshare.runtime.engines.vllm_tensors import (
+    KernelBlockSize,
+    PoolPlan,
+    allocating_from_pool,
+    group_kernel_block_size,
+    plan_pool,
+)
 
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "ALLOCATE_SLOTS_PARAMETERS",
+    "BLOCK_POOL_PARAMETERS",
+    "COORDINATOR_PARAMETERS",
+    "ENGINE",
+    "EngineConfigError",
     "Group",
     "PoolPlan",
+    "group_kernel_block_size",
+    "group_of",
+    "hold_startup_turn",
     "plan_pool",
     "scheduler_context",
     "vllm_patch_set",
     "worker_context",
 ]
-
-ENGINE = "vllm"
-#: Picks the kernel block size of one tensor's views, as the line's ``allocate_kv_cache`` does.
-KernelBlockSize = Callable[[Any, int, "list[int] | None"], "int | None"]
-
-
-# --- geometry ---------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class PoolPlan:
-    """The pool geometry for a vLLM KV cache config, and its tensors placed in that pool."""
-
-    geometry: KVGeometry
-    tensors: tuple[Any, ...]
-    """vLLM ``KVCacheTensor``s with offsets and layer strides in the pool's range."""
-
-
-def plan_pool(kv_cache_config: Any, layout: Any) -> PoolPlan:
-    """Mirror vLLM's layout in a pool geometry (the scheduler and workers agree on it).
-
-    Layer-outer layouts (``L`` then ``B`` outermost) keep each layer's blocks in one run:
-    one pool buffer per layer, the layer stride becomes the pool's page-aligned buffer
-    stride. Block-outer layouts keep all layers of a block in one packed run: one pool
-    buffer of packed blocks, nothing moves. Other layouts split a block across a
-    layer's region and are refused.
-    """
-    from kvshare.runtime.geometry import KVGeometry
-
-    tensors = tuple(kv_cache_config.kv_cache_tensors)
-    num_blocks = kv_cache_config.num_blocks
-    strides = {tensor.block_stride for tensor in tensors}
-    sizes = {tensor.size for tensor in tensors}
-    if len(strides) != 1 or len(sizes) != 1:
-        raise EngineConfigError(
-            "kvshare needs one block stride and one backing allocation for every KV cache "
-            f"tensor; this model has block strides {sorted(strides)} (hybrid page sizes)"
-        )
-    block_stride, raw_size = strides.pop(), sizes.pop()
-    if layout.is_block_outermost:
-        geometry = KVGeometry(1, block_stride, num_blocks, pools.page_size(), "per-layer")
-        return PoolPlan(geometry, tensors)
-    if not layout.is_block_compact:
-        raise EngineConfigError(
-            f"kvshare cannot page vLLM's KV cache layout {layout.name}: a block is not one "
-            "contiguous run per layer; set VLLM_KV_CACHE_LAYOUT to a layer- or block-outer "
-            "layout (e.g. LBHNC or BLHNC)"
-        )
-    layer_bytes = block_stride * num_blocks
-    if raw_size % layer_bytes or any(tensor.offset % layer_bytes for tensor in tensors):
-        raise EngineConfigError(
-            f"vLLM's KV cache tensors are not whole layers of {layer_bytes} bytes; "
-            "kvshare cannot page this layout"
-        )
-    geometry = KVGeometry(
-        raw_size // layer_bytes, block_stride, num_blocks, pools.page_size(), "per-layer"
-    )
-    placed = tuple(
-        dataclasses.replace(
-            tensor,
-            size=geometry.virtual_bytes,
-            offset=tensor.offset // layer_bytes * geometry.buffer_stride,
-            layer_stride=geometry.buffer_stride,
-        )
-        for tensor in tensors
-    )
-    return PoolPlan(geometry, placed)
-
-
-@dataclasses.dataclass(frozen=True)
-class Group:
-    """A coordinated group: one vLLM engine core and its tensor-parallel workers."""
-
-    name: str
-    world_size: int
-
-
-#: Set while vLLM builds a worker's KV cache (``Worker.initialize_from_config``).
-_worker: contextvars.ContextVar[tuple[Group, Role]] = contextvars.ContextVar("kvshare_vllm_worker")
-#: Set while vLLM builds its scheduler (``Scheduler.__init__``): the group and KV layout.
-_scheduler: contextvars.ContextVar[tuple[Group, Any]] = contextvars.ContextVar(
-    "kvshare_vllm_scheduler"
-)
-
-
-def group_of(vllm_config: Any) -> Group:
-    """The group of one engine core: named after vLLM's instance id and data-parallel rank."""
-    parallel = vllm_config.parallel_config
-    if parallel.pipeline_parallel_size > 1:
-        raise EngineConfigError(
-            f"kvshare serves vLLM with pipeline-parallel size 1, not "
-            f"{parallel.pipeline_parallel_size}"
-        )
-    instance = re.sub(r"[^A-Za-z0-9._-]", "-", str(vllm_config.instance_id))[:32] or "engine"
-    name = f"vllm-{instance}-dp{parallel.data_parallel_rank}"
-    return Group(name, int(parallel.tensor_parallel_size))
-
-
-def _tp_rank() -> int:
-    from vllm.distributed import parallel_state
-
-    if parallel_state.model_parallel_is_initialized():
-        return int(parallel_state.get_tensor_model_parallel_rank())
-    return 0
-
-
-@contextlib.contextmanager
-def worker_context(group: Group, rank: int) -> Iterator[None]:
-    """While set, ``allocate_kv_cache`` serves rank ``rank`` of ``group``."""
-    token = _worker.set((group, Role(ENGINE, rank, group.world_size, "coordinated")))
-    try:
-        yield
-    finally:
-        _worker.reset(token)
-
-
-@contextlib.contextmanager
-def scheduler_context(group: Group, layout: Any) -> Iterator[None]:
-    """While set, a KV cache coordinator draws its blocks from ``group``'s owner pool."""
-    token = _scheduler.set((group, layout))
-    try:
-        yield
-    finally:
-        _scheduler.reset(token)
-
-
-_TURN_ATTRIBUTE = "_kvshare_startup_turn"
-
-
-def hold_startup_turn(
-    worker: Any, vllm_config: Any, local_rank: int, start: Callable[[], object]
-) -> None:
-    """Take the GPU's start-up turn, then run ``start``; the worker holds the turn until
-    its KV cache exists (:func:`in_worker_group`), or gives it back if ``start`` fails."""
-    group = group_of(vllm_config)
-    turn = contextlib.ExitStack()
-    role = Role(ENGINE, int(local_rank), group.world_size, "coordinated")
-    turn.enter_context(pools.startup_turn(role, group.name))
-    setattr(worker, _TURN_ATTRIBUTE, turn)
-    try:
-        start()
-    except BaseException:
-        turn.close()
-        raise
 
 
 def taking_the_startup_turn(original: AnyCallable) -> AnyCallable:
@@ -279,13 +151,10 @@ def in_worker_group(original: AnyCallable) -> AnyCallable:
 
     def initialize_from_config(self: Any, kv_cache_config: Any) -> None:
         try:
-            with worker_context(group_of(self.vllm_config), _tp_rank()):
+            with worker_context(group_of(self.vllm_config), tp_rank()):
                 original(self, kv_cache_config)
         finally:
-            turn = getattr(self, _TURN_ATTRIBUTE, None)
-            if turn is not None:
-                setattr(self, _TURN_ATTRIBUTE, None)
-                turn.close()
+            close_startup_turn(self)
 
     return initialize_from_config
 
@@ -299,103 +168,6 @@ def in_scheduler_group(original: AnyCallable) -> AnyCallable:
             original(self, vllm_config, *args, **kwargs)
 
     return init
-
-
-# --- worker: KV cache tensors ---------------------------------------------------------
-
-
-def group_kernel_block_size(
-    spec: Any, group_id: int, kernel_block_sizes: list[int] | None
-) -> int | None:
-    """The kernel block size of a group's views, when the model runner chose one."""
-    del spec
-    if kernel_block_sizes is not None and group_id < len(kernel_block_sizes):
-        return kernel_block_sizes[group_id]
-    return None
-
-
-def allocating_from_pool(
-    kernel_block_size: KernelBlockSize,
-) -> Callable[[AnyCallable], AnyCallable]:
-    """Wrapper for ``allocate_kv_cache``: the same views, over the pool's range."""
-
-    def wrap(original: AnyCallable) -> AnyCallable:
-        def allocate_kv_cache(
-            kv_cache_config: Any,
-            device: torch.device,
-            layout: Any,
-            kernel_block_sizes: list[int] | None = None,
-        ) -> dict[str, torch.Tensor]:
-            if not kv_cache_config.kv_cache_tensors:
-                return original(kv_cache_config, device, layout, kernel_block_sizes)  # type: ignore[no-any-return]
-            context = _worker.get(None)
-            if context is None:
-                raise EngineConfigError(
-                    "vLLM allocated a KV cache outside a worker's initialize_from_config; "
-                    "kvshare cannot tell which engine it belongs to"
-                )
-            group, role = context
-            plan = plan_pool(kv_cache_config, layout)
-            server = pools.open_rank(plan.geometry, device, role, group.name)
-            raw = server.tensor(0, plan.geometry.num_buffers).view(_int8())
-            return _views(
-                raw,
-                kv_cache_config,
-                plan,
-                layout=layout,
-                kernel_block_sizes=kernel_block_sizes,
-                kernel_block_size=kernel_block_size,
-            )
-
-        return allocate_kv_cache
-
-    return wrap
-
-
-def _int8() -> torch.dtype:
-    import torch
-
-    return torch.int8
-
-
-def _views(
-    raw: torch.Tensor,
-    kv_cache_config: Any,
-    plan: PoolPlan,
-    *,
-    layout: Any,
-    kernel_block_sizes: list[int] | None,
-    kernel_block_size: KernelBlockSize,
-) -> dict[str, torch.Tensor]:
-    """Per-layer views built by vLLM's ``create_kv_cache_views``, as vLLM lays them out."""
-    from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs, create_kv_cache_views
-
-    kv_caches: dict[str, torch.Tensor] = {}
-    for tensor in plan.tensors:
-        layer_name = tensor.layers[0]
-        group_id, group = next(
-            (group_id, group)
-            for group_id, group in enumerate(kv_cache_config.kv_cache_groups)
-            if layer_name in group.layer_names
-        )
-        spec = group.kv_cache_spec
-        if isinstance(spec, UniformTypeKVCacheSpecs):
-            spec = spec.kv_cache_specs[layer_name]
-        if not spec.has_layer_views:
-            raise EngineConfigError(
-                f"layer {layer_name} keeps {type(spec).__name__} state that lays out its own "
-                "storage; kvshare pages attention KV caches only"
-            )
-        views = create_kv_cache_views(
-            raw,
-            spec,
-            kv_cache_config.num_blocks_of(tensor),
-            layout,
-            tensor,
-            kernel_block_size=kernel_block_size(spec, group_id, kernel_block_sizes),
-        )
-        kv_caches.update(zip(tensor.layers, views, strict=True))
-    return kv_caches
 
 
 # --- worker: capacity -----------------------------------------------------------------
@@ -420,7 +192,7 @@ def attaching_block_pool(original: AnyCallable) -> AnyCallable:
         original(self, kv_cache_config, *args, **kwargs)
         if not kv_cache_config.kv_cache_tensors:
             return  # an attention-free model: no KV cache to page
-        context = _scheduler.get(None)
+        context = current_scheduler()
         if context is None:
             raise EngineConfigError(
                 "vLLM built a KV cache coordinator outside its scheduler; kvshare cannot tell "

@@ -1,0 +1,188 @@
+"""vLLM's KV cache tensors over a kvshare pool: the pool geometry that mirrors vLLM's
+layout, and the per-layer views vLLM's own ``create_kv_cache_views`` builds over it.
+
+One :class:`~kvshare.runtime.rank_server.RankServer` per worker serves its device's
+memory; the scheduler's pool (:mod:`.vllm_common`) plans the same geometry from the same
+KV cache config, so block ids mean the same bytes on every rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from kvshare.runtime.engines import pools
+from kvshare.runtime.engines.patching import AnyCallable
+from kvshare.runtime.engines.pools import EngineConfigError
+from kvshare.runtime.engines.vllm_groups import current_worker
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvshare.runtime.geometry import KVGeometry
+
+__all__ = [
+    "KernelBlockSize",
+    "PoolPlan",
+    "allocating_from_pool",
+    "group_kernel_block_size",
+    "plan_pool",
+]
+
+#: Picks the kernel block size of one tensor's views, as the line's ``allocate_kv_cache`` does.
+KernelBlockSize = Callable[[Any, int, "list[int] | None"], "int | None"]
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolPlan:
+    """The pool geometry for a vLLM KV cache config, and its tensors placed in that pool."""
+
+    geometry: KVGeometry
+    tensors: tuple[Any, ...]
+    """vLLM ``KVCacheTensor``s with offsets and layer strides in the pool's range."""
+
+
+def plan_pool(kv_cache_config: Any, layout: Any) -> PoolPlan:
+    """Mirror vLLM's layout in a pool geometry (the scheduler and workers agree on it).
+
+    Layer-outer layouts (``L`` then ``B`` outermost) keep each layer's blocks in one run:
+    one pool buffer per layer, the layer stride becomes the pool's page-aligned buffer
+    stride. Block-outer layouts keep all layers of a block in one packed run: one pool
+    buffer of packed blocks, nothing moves. Other layouts split a block across a
+    layer's region and are refused.
+    """
+    from kvshare.runtime.geometry import KVGeometry
+
+    tensors = tuple(kv_cache_config.kv_cache_tensors)
+    num_blocks = kv_cache_config.num_blocks
+    strides = {tensor.block_stride for tensor in tensors}
+    sizes = {tensor.size for tensor in tensors}
+    if len(strides) != 1 or len(sizes) != 1:
+        raise EngineConfigError(
+            "kvshare needs one block stride and one backing allocation for every KV cache "
+            f"tensor; this model has block strides {sorted(strides)} (hybrid page sizes)"
+        )
+    block_stride, raw_size = strides.pop(), sizes.pop()
+    if layout.is_block_outermost:
+        geometry = KVGeometry(1, block_stride, num_blocks, pools.page_size(), "per-layer")
+        return PoolPlan(geometry, tensors)
+    if not layout.is_block_compact:
+        raise EngineConfigError(
+            f"kvshare cannot page vLLM's KV cache layout {layout.name}: a block is not one "
+            "contiguous run per layer; set VLLM_KV_CACHE_LAYOUT to a layer- or block-outer "
+            "layout (e.g. LBHNC or BLHNC)"
+        )
+    layer_bytes = block_stride * num_blocks
+    if raw_size % layer_bytes or any(tensor.offset % layer_bytes for tensor in tensors):
+        raise EngineConfigError(
+            f"vLLM's KV cache tensors are not whole layers of {layer_bytes} bytes; "
+            "kvshare cannot page this layout"
+        )
+    geometry = KVGeometry(
+        raw_size // layer_bytes, block_stride, num_blocks, pools.page_size(), "per-layer"
+    )
+    placed = tuple(
+        dataclasses.replace(
+            tensor,
+            size=geometry.virtual_bytes,
+            offset=tensor.offset // layer_bytes * geometry.buffer_stride,
+            layer_stride=geometry.buffer_stride,
+        )
+        for tensor in tensors
+    )
+    return PoolPlan(geometry, placed)
+
+
+def group_kernel_block_size(
+    spec: Any, group_id: int, kernel_block_sizes: list[int] | None
+) -> int | None:
+    """The kernel block size of a group's views, when the model runner chose one."""
+    del spec
+    if kernel_block_sizes is not None and group_id < len(kernel_block_sizes):
+        return kernel_block_sizes[group_id]
+    return None
+
+
+def allocating_from_pool(
+    kernel_block_size: KernelBlockSize,
+) -> Callable[[AnyCallable], AnyCallable]:
+    """Wrapper for ``allocate_kv_cache``: the same views, over the pool's range."""
+
+    def wrap(original: AnyCallable) -> AnyCallable:
+        def allocate_kv_cache(
+            kv_cache_config: Any,
+            device: torch.device,
+            layout: Any,
+            kernel_block_sizes: list[int] | None = None,
+        ) -> dict[str, torch.Tensor]:
+            if not kv_cache_config.kv_cache_tensors:
+                return original(kv_cache_config, device, layout, kernel_block_sizes)  # type: ignore[no-any-return]
+            context = current_worker()
+            if context is None:
+                raise EngineConfigError(
+                    "vLLM allocated a KV cache outside a worker's initialize_from_config; "
+                    "kvshare cannot tell which engine it belongs to"
+                )
+            group, role = context
+            plan = plan_pool(kv_cache_config, layout)
+            server = pools.open_rank(plan.geometry, device, role, group.name)
+            raw = server.tensor(0, plan.geometry.num_buffers).view(_int8())
+            return _views(
+                raw,
+                kv_cache_config,
+                plan,
+                layout=layout,
+                kernel_block_sizes=kernel_block_sizes,
+                kernel_block_size=kernel_block_size,
+            )
+
+        return allocate_kv_cache
+
+    return wrap
+
+
+def _int8() -> torch.dtype:
+    import torch
+
+    return torch.int8
+
+
+def _views(
+    raw: torch.Tensor,
+    kv_cache_config: Any,
+    plan: PoolPlan,
+    *,
+    layout: Any,
+    kernel_block_sizes: list[int] | None,
+    kernel_block_size: KernelBlockSize,
+) -> dict[str, torch.Tensor]:
+    """Per-layer views built by vLLM's ``create_kv_cache_views``, as vLLM lays them out."""
+    from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs, create_kv_cache_views
+
+    kv_caches: dict[str, torch.Tensor] = {}
+    for tensor in plan.tensors:
+        layer_name = tensor.layers[0]
+        group_id, group = next(
+            (group_id, group)
+            for group_id, group in enumerate(kv_cache_config.kv_cache_groups)
+            if layer_name in group.layer_names
+        )
+        spec = group.kv_cache_spec
+        if isinstance(spec, UniformTypeKVCacheSpecs):
+            spec = spec.kv_cache_specs[layer_name]
+        if not spec.has_layer_views:
+            raise EngineConfigError(
+                f"layer {layer_name} keeps {type(spec).__name__} state that lays out its own "
+                "storage; kvshare pages attention KV caches only"
+            )
+        views = create_kv_cache_views(
+            raw,
+            spec,
+            kv_cache_config.num_blocks_of(tensor),
+            layout,
+            tensor,
+            kernel_block_size=kernel_block_size(spec, group_id, kernel_block_sizes),
+        )
+        kv_caches.update(zip(tensor.layers, views, strict=True))
+    return kv_caches
