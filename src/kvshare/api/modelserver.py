@@ -114,7 +114,13 @@ ENGINE_COMMAND_LINES: dict[str, EngineCommandLine] = {
         port="--port",
         tensor_parallel_size="--tensor-parallel-size",
         aliases=("--model", "-tp"),
-        replaced=("--gpu-memory-utilization", "--kv-cache-memory", "--num-gpu-blocks-override"),
+        replaced=(
+            "--gpu-memory-utilization",
+            "--kv-cache-memory",
+            "--num-gpu-blocks-override",
+            "--enable-extensible-kv-cache",
+            "--no-enable-extensible-kv-cache",
+        ),
     ),
     "sglang": EngineCommandLine(
         program=("python3", "-m", "sglang.launch_server"),

@@ -67,10 +67,12 @@ __all__ = [
     "GroupName",
     "Hello",
     "LabelValue",
+    "LayoutReasonName",
     "Lease",
     "Message",
     "Namespace",
     "ObjectName",
+    "PageLayoutName",
     "ProtocolError",
     "Reclaim",
     "Refused",
@@ -202,6 +204,28 @@ GroupName = Annotated[
         optional=True,
     ),
 ]
+#: How a pool's pages hold the engine's blocks (``kvshare.runtime.paging``), or ``""``.
+PageLayoutName = Annotated[
+    str,
+    Syntax(
+        "a page layout (block-outer or per-layer)",
+        16,
+        _syntax(r"block-outer|per-layer"),
+        optional=True,
+        kind="message",
+    ),
+]
+#: Why a pool keeps per-layer pages (``kvshare.runtime.paging.LAYOUT_REASONS``), or ``""``.
+LayoutReasonName = Annotated[
+    str,
+    Syntax(
+        "a page layout reason (setting, engine-setting, backend, model, connector, engine)",
+        16,
+        _syntax(r"setting|engine-setting|backend|model|connector|engine"),
+        optional=True,
+        kind="message",
+    ),
+]
 #: A Kubernetes label value.
 LabelValue = Annotated[
     str,
@@ -290,7 +314,11 @@ class Report(Message):
     ``ack`` > 0 says the numbers were taken with the reclaim ``seq`` in force (its lower
     limit already applied, so the pool no longer grows beyond what it reports): the
     broker completes that reclaim once ``held`` fits its limit, and before that may hand
-    on what the pool already gave back.
+    on what the pool already gave back. ``page_bytes`` is the physical memory the pool
+    maps and unmaps at a time (one logical page), ``layout`` what a page holds
+    (``block-outer``: whole blocks of all layers; ``per-layer``: a granule of every
+    layer) and ``layout_reason`` why a pool keeps per-layer pages (0 and ``""``: not
+    stated).
     """
 
     TYPE: ClassVar[str] = "report"
@@ -299,6 +327,9 @@ class Report(Message):
     cached: int
     reserved: int
     ack: int = 0
+    page_bytes: int = 0
+    layout: PageLayoutName = ""
+    layout_reason: LayoutReasonName = ""
 
     @property
     def held(self) -> int:

@@ -385,7 +385,8 @@ class Broker:
                     sends = self._books.want(pool_id, message.seq, message.total, now)
                 self._deliver(sends)
             elif isinstance(message, Report):
-                if min(message.mapped, message.used, message.cached, message.reserved) < 0:
+                sizes = (message.mapped, message.used, message.cached, message.reserved)
+                if min(*sizes, message.page_bytes) < 0:
                     raise ProtocolError("report: sizes must be >= 0")
                 with self._lock:
                     sends = self._books.report(pool_id, message, now)
