@@ -19,7 +19,7 @@ COPY tools/runtime_bundle.py tools/runtime_bundle.py
 RUN python -m venv /tmp/protoc \
     && /tmp/protoc/bin/pip install --no-cache-dir --disable-pip-version-check \
         --constraint requirements/dev.lock grpcio-tools \
-    && PYTHONPATH=src /tmp/protoc/bin/python -m kvshare.deviceplugin.protogen \
+    && PYTHONPATH=src /tmp/protoc/bin/python -m kvshare.deviceplugin.kubelet.protogen \
     && rm -rf /tmp/protoc
 # The node agent and the operator with their dependencies, at the versions the tests ran
 # (the lock constrains them), in a virtualenv the final stage copies whole.

@@ -11,9 +11,11 @@ LOCK   := requirements/dev.lock
 DEV_STAMP  := $(VENV)/.dev-installed
 DEMO_STAMP := $(VENV)/.demo-installed
 PROTOC_STAMP := $(VENV)/.protoc-installed
-# The kubelet device plugin API stubs, generated from the .proto (never committed).
-PROTO_DIR   := src/kvshare/deviceplugin/v1beta1
-PROTO_STUBS := $(PROTO_DIR)/api_pb2.py
+# The kubelet API stubs (device plugin, PodResources), generated from the .protos (never
+# committed).
+PROTO_DIR   := src/kvshare/deviceplugin/kubelet/v1beta1
+PODRES_DIR  := src/kvshare/deviceplugin/kubelet/podresources/v1
+PROTO_STUBS := $(PROTO_DIR)/api_pb2.py $(PODRES_DIR)/api_pb2.py
 # Tools the chart tests run, unpacked once into a git-ignored folder (cached wheels too).
 TOOLS := .tools
 HELM  := $(TOOLS)/bin/helm
@@ -43,10 +45,10 @@ $(PROTOC_STAMP): $(LOCK) | $(PY)
 	$(PIP) -c $(LOCK) grpcio-tools
 	touch $@
 
-$(PROTO_STUBS): $(PROTO_DIR)/api.proto src/kvshare/deviceplugin/protogen.py $(PROTOC_STAMP)
-	PYTHONPATH=src $(PY) -m kvshare.deviceplugin.protogen
+$(PROTO_STUBS) &: $(PROTO_DIR)/api.proto $(PODRES_DIR)/api.proto src/kvshare/deviceplugin/kubelet/protogen.py $(PROTOC_STAMP)
+	PYTHONPATH=src $(PY) -m kvshare.deviceplugin.kubelet.protogen
 
-proto: $(PROTO_STUBS)  ## generate the kubelet device plugin API stubs from the .proto
+proto: $(PROTO_STUBS)  ## generate the kubelet API stubs (device plugin, PodResources) from the .protos
 
 $(HELM): tools/fetch_helm.py | $(PY)
 	$(PY) tools/fetch_helm.py --dest $@ --cache $(TOOLS)/cache

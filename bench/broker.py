@@ -49,10 +49,11 @@ class Agent:
 
     def __init__(self, fake_gpus: str) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="kvb", dir="/tmp"))
-        self.socket = self.dir / "broker.sock"
+        self.socket = self.dir / "run" / "broker.sock"
         self.process = subprocess.Popen(
             [sys.executable, "-m", "kvshare.cli", "node", "--fake-gpus", fake_gpus,
              "--node-name", "bench", "--headroom", "1Gi", "--broker-socket", str(self.socket),
+             "--admin-dir", str(self.dir / "admin"),
              "--device-plugin-dir", str(self.dir / "none"), "--metrics-address", "127.0.0.1:0",
              "--no-kube"],
             cwd=ROOT, stderr=subprocess.PIPE, text=True,

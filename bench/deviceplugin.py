@@ -1,7 +1,7 @@
 """Benchmark ``deviceplugin``: Allocate and GetPreferredAllocation through real gRPC.
 
 The node agent (2 fake GPUs, device plugin on a unix socket) is registered with the
-stand-in kubelet (:mod:`kvshare.deviceplugin.kubelet_standin`), which then calls the
+stand-in kubelet (:mod:`kvshare.deviceplugin.kubelet.kubelet_standin`), which then calls the
 plugin the way the kubelet does at pod admission: ``GetPreferredAllocation`` for 2 of the
 available slots, then ``Allocate`` for them. ``allocate_p50_ms`` is the median round
 trip of ``Allocate`` as the kubelet sees it. ``reregister_s``: the kubelet restarts
@@ -20,7 +20,7 @@ from pathlib import Path
 from harness import Result, Target, percentile
 from kvshare.api import names
 from kvshare.deviceplugin.agent import AgentConfig, NodeAgent
-from kvshare.deviceplugin.kubelet_standin import StandInKubelet
+from kvshare.deviceplugin.kubelet.kubelet_standin import StandInKubelet
 
 SLOTS = names.RESOURCE_GPU
 
@@ -34,7 +34,8 @@ def run(quick: bool) -> Result:
     agent = NodeAgent(
         AgentConfig.for_broker(
             "bench",
-            directory / "broker.sock",
+            directory / "run" / "broker.sock",
+            admin_dir=directory / "admin",
             fake_gpus="2x80Gi",
             device_plugin_dir=directory / "dp",
             metrics_host="127.0.0.1",

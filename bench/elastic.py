@@ -7,7 +7,7 @@ after 10 s without a first token) runs at once in two worlds of the same total m
 each model with a fixed equal share, and each model leased by the node agent's broker.
 Real processes, real pools on the ``host`` backend, the real broker; the trace runs four
 times as fast as the wall clock, which makes every delay of kvshare's count four times
-over (``kvshare.demo.orchestrator.DEFAULT_SPEED``).
+over (``kvshare.demo.options.DEFAULT_SPEED``).
 ``ratio`` = requests served elastic / static within the same time and memory;
 ``*_abandoned`` = requests whose clients gave up first. ``ideal_ratio`` is what the trace
 allows: the same schedulers simulated without memory, from equal partitions of blocks and

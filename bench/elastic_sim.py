@@ -50,7 +50,7 @@ from kvshare.demo.elastic_sim import (
     simulate,
     summarise,
 )
-from kvshare.deviceplugin.policy import DEFAULT_POLICY, POLICIES
+from kvshare.deviceplugin.broker.policy import DEFAULT_POLICY, POLICIES
 
 SEEDS = 6
 #: kvCache.min of the second pass, as a fraction of an equal share.

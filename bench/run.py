@@ -40,6 +40,7 @@ BENCHMARKS = (
     "elastic",
     "elastic-suite",
     "elastic-sim",
+    "capacity",
     "fuzz",
     "vllm-overhead",
     "elastic-vllm",

@@ -96,7 +96,29 @@ def _compare_to(left: Any, right: Any) -> celtypes.IntType:
     return celtypes.IntType((left > right) - (left < right))
 
 
+def _index_of(text: Any, sub: Any) -> celtypes.IntType:
+    return celtypes.IntType(str(text).find(str(sub)))
+
+
+def _substring(text: Any, start: Any, end: Any = None) -> celtypes.StringType:
+    return celtypes.StringType(str(text)[int(start) : None if end is None else int(end)])
+
+
+def _replace(text: Any, old: Any, new: Any) -> celtypes.StringType:
+    return celtypes.StringType(str(text).replace(str(old), str(new)))
+
+
+def _join(items: Any, separator: Any = "") -> celtypes.StringType:
+    return celtypes.StringType(str(separator).join(str(item) for item in items))
+
+
+#: CEL functions the Kubernetes API server adds: its quantity library and the string
+#: extensions (indexOf, substring, replace, join) its rules may use.
 _CEL_FUNCTIONS = {
+    "indexOf": _index_of,
+    "substring": _substring,
+    "replace": _replace,
+    "join": _join,
     "quantity": _quantity,
     "isQuantity": _is_quantity,
     "sign": lambda q: celtypes.IntType((float(q) > 0) - (float(q) < 0)),
@@ -118,7 +140,8 @@ def _cel_messages(schema: dict[str, Any], obj: Any) -> list[str]:
             raise AssertionError(f"CEL rule {rule['rule']!r} failed to evaluate: {verdict}")
         if not verdict:
             if "messageExpression" in rule:
-                message = _ENV.program(_ENV.compile(rule["messageExpression"])).evaluate(activation)
+                expression = _ENV.compile(rule["messageExpression"])
+                message = _ENV.program(expression, functions=_CEL_FUNCTIONS).evaluate(activation)
                 messages.append(str(message))
             else:
                 messages.append(rule["message"])

@@ -3,7 +3,7 @@
 Each program keeps every Kubernetes API call it makes as data, checked against the
 requests it really sends in its own tests (against kmock over HTTP): the operator in
 ``kvshare.operator.rbac`` (``rbac_rules()``), the node agent in
-``kvshare.deviceplugin.publisher`` (``RBAC_RULES``). The chart's ClusterRoles include the
+``kvshare.deviceplugin.cluster.publisher`` (``RBAC_RULES``). The chart's ClusterRoles include the
 files written here, and a test fails when a file differs from what this tool writes.
 """
 
@@ -35,7 +35,7 @@ def _node_agent_rules(module: Any) -> Rules:
 #: Chart file -> (module listing the program's API calls, how to read its rules).
 SOURCES: dict[str, tuple[str, Callable[[Any], Rules]]] = {
     "operator.yaml": ("kvshare.operator.rbac", _operator_rules),
-    "node-agent.yaml": ("kvshare.deviceplugin.publisher", _node_agent_rules),
+    "node-agent.yaml": ("kvshare.deviceplugin.cluster.publisher", _node_agent_rules),
 }
 
 

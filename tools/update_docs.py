@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kvshare.api import env
-from kvshare.deviceplugin import metrics as node_metrics
+from kvshare.deviceplugin.admin import metrics as node_metrics
 from kvshare.runtime.engines import docs as engine_docs
 
 ROOT = Path(__file__).resolve().parents[1]

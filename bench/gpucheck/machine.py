@@ -52,15 +52,16 @@ def missing_packages(dry_run: bool) -> list[str]:
 
 def ensure_kubelet_stubs() -> bool:
     """Whether the node agent's generated kubelet API stubs are there (made if they can be)."""
-    stubs = ROOT / "src" / "kvshare" / "deviceplugin" / "v1beta1" / "api_pb2.py"
-    if stubs.exists():
+    kubelet = ROOT / "src" / "kvshare" / "deviceplugin" / "kubelet"
+    stubs = [kubelet / "v1beta1" / "api_pb2.py", kubelet / "podresources" / "v1" / "api_pb2.py"]
+    if all(s.exists() for s in stubs):
         return True
     if importlib.util.find_spec("grpc_tools") is None:
         return False
-    from kvshare.deviceplugin.protogen import generate
+    from kvshare.deviceplugin.kubelet.protogen import generate
 
     generate()
-    return stubs.exists()
+    return all(s.exists() for s in stubs)
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from gpucheck.decode import measure_decode
 from gpucheck.fence import fence_check
 from gpucheck.gpu_tests import run_gpu_tests
 from gpucheck.machine import Setup
+from gpucheck.overuse import lease_enforcement
 from gpucheck.page_ops import measure_page_ops
 from gpucheck.trade import trade_memory
 
@@ -24,6 +25,7 @@ STEPS: dict[str, Callable[[Setup], dict[str, Any]]] = {
     "trade": trade_memory,
     "fence": fence_check,
     "colocated_start": colocated_start,
+    "lease_enforcement": lease_enforcement,
 }
 
 

@@ -20,10 +20,11 @@ from kvshare.api import env
 #: name -> (module implementing it, one-line help). Order is the order `--help` shows.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "node": ("kvshare.deviceplugin.node_cli", "run the node agent: broker, device plugin, metrics"),
-    "ctl": ("kvshare.deviceplugin.ctl_cli", "inspect and steer the node agent's broker"),
-    "top": ("kvshare.deviceplugin.top_cli", "live view of the node's GPUs and KV pools"),
+    "ctl": ("kvshare.deviceplugin.admin.ctl_cli", "inspect and steer the node agent's broker"),
+    "top": ("kvshare.deviceplugin.admin.top_cli", "live view of the node's GPUs and KV pools"),
     "crds": ("kvshare.api.crds_cli", "print the CustomResourceDefinitions as YAML"),
     "demo": ("kvshare.demo.cli", "static partitions vs elastic KV caches, live, on this machine"),
+    "twin": ("kvshare.twin.cli", "a workload's capacity at its latency SLO on a GPU twin"),
     "operator": (
         "kvshare.operator.cli",
         "run the operator: place ModelServers onto shared GPUs and run their pods",

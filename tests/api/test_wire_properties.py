@@ -25,7 +25,11 @@ from kvshare.api.wire import (
     Syntax,
     encode_frame,
 )
-from kvshare.deviceplugin.admin import ADMIN_CODEC, AdminReply, AdminRequest
+from kvshare.deviceplugin.broker.connections.admin_requests import (
+    ADMIN_CODEC,
+    AdminReply,
+    AdminRequest,
+)
 
 BROKER_MESSAGES: list[type[Message]] = [wire.Hello, wire.Want, wire.Report, wire.Bye,
     wire.Welcome, wire.Refused, wire.Lease, wire.Reclaim, wire.TurnRequest, wire.TurnGranted,

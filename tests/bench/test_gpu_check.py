@@ -3,7 +3,8 @@
 The dry run is the check's own test here: every step runs for real on the host backend
 (page operations against libc, the decoder on the CPU, the node agent and two worker
 processes trading memory, a kernel on the host stream racing an unmap, two workers starting
-together through the broker), only the GPU is absent. On a GPU machine the same script runs
+together through the broker, the node agent on a fake NVML catching a worker over its
+lease), only the GPU is absent. On a GPU machine the same script runs
 the ``cuda`` backend instead. ``make gpu-check --dry-run`` runs the same dry run.
 """
 
@@ -68,6 +69,9 @@ def test_the_dry_run_exercises_every_step_and_records_them(tmp_path: Path) -> No
     start = summary["colocated_start"]
     assert start["kv_blocks"] == [16, 16] and start["second_turn_wait_s"] >= 0
     assert summary["within_budget"] is True
+    enforcement = summary["lease_enforcement"]
+    assert enforcement["overuse_within_charge"] == 0 and enforcement["detected_s"] is not None
+    assert enforcement["lease_after_bytes"] < enforcement["lease_before_bytes"]
     trade = summary["trade"]
     assert trade["b_blocks_verified"] is True
     assert trade["b_held_bytes"] >= trade["budget_bytes"] // 4

@@ -1,5 +1,5 @@
 """Every metric the dashboard and the alerts query exists in the real registries of the node
-agent (``kvshare.deviceplugin.metrics.registry()``) and the operator
+agent (``kvshare.deviceplugin.admin.metrics.registry()``) and the operator
 (``kvshare.operator.metrics.registry()``), under the name Prometheus stores it by."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from tests.chart.prometheus import metric_names, rendered_rules
 from tests.chart.test_dashboard import dashboard_metric_names
 
 REGISTRIES = {
-    "node agent": "kvshare.deviceplugin.metrics",
+    "node agent": "kvshare.deviceplugin.admin.metrics",
     "operator": "kvshare.operator.metrics",
 }
 #: Series Prometheus makes itself for every target.

@@ -1,7 +1,7 @@
 """The chart grants each program exactly the API calls it makes, and nothing more.
 
 The programs list their calls as data (``kvshare.operator.rbac``,
-``kvshare.deviceplugin.publisher``) and their own tests check every request the running
+``kvshare.deviceplugin.cluster.publisher``) and their own tests check every request the running
 program sends against that list (against kmock over HTTP). Here: the chart's rule files are
 what ``make rbac`` generates from those lists, and the ClusterRoles helm renders hold exactly
 those rules.

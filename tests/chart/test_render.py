@@ -21,9 +21,9 @@ import yaml
 
 from kvshare.api import env as env_module
 from kvshare.api import names
-from kvshare.deviceplugin import node_config
-from kvshare.deviceplugin.node_config import NodeConfigFile, load_config_file, select
-from kvshare.deviceplugin.policy import DEFAULT_POLICY, POLICIES
+from kvshare.deviceplugin.broker.policy import DEFAULT_POLICY, POLICIES
+from kvshare.deviceplugin.cluster import node_config
+from kvshare.deviceplugin.cluster.node_config import NodeConfigFile, load_config_file, select
 from tests.chart.helm import (
     CERT_MANAGER,
     CHART,
@@ -48,7 +48,15 @@ MATRIX: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
         {"webhook.enabled": True, "webhook.certificate.source": "cert-manager"},
         CERT_MANAGER,
     ),
-    "cdi": ({"cdi.enabled": True}, ()),
+    "no-cdi": ({"cdi.enabled": False}, ()),
+    "kv-priorities": (
+        {"kvPriority.default": 50, "kvPriority.namespaces": {"team-a": 500, "default": 200}},
+        (),
+    ),
+    "no-admission-policies": (
+        {"kvPriority.admissionPolicy": False, "nodeAgent.admissionPolicy": False},
+        (),
+    ),
     "custom-scheduling": (
         {
             # Helm merges maps with the defaults; null removes the default GPU label.
@@ -218,13 +226,20 @@ def test_quotas_bound_each_team_namespaces_gpu_memory_and_slots() -> None:
     assert template().of_kind("ResourceQuota") == []
 
 
-def test_node_agent_mounts_only_the_device_plugin_folder_and_run_kvshare() -> None:
+def test_node_agent_mounts_only_the_device_plugin_folder_its_own_and_the_pods() -> None:
     spec = _pod_spec(template(), "DaemonSet")
     host_paths = {v["hostPath"]["path"] for v in spec["volumes"] if "hostPath" in v}
-    assert host_paths == {names.DEVICE_PLUGIN_DIR, names.RUN_DIR}
+    pod_resources = str(Path(names.POD_RESOURCES_SOCKET).parent)
+    assert host_paths == {names.DEVICE_PLUGIN_DIR, names.RUN_DIR, names.ADMIN_DIR, pod_resources}
     (container,) = spec["containers"]
-    mounts = {m["mountPath"] for m in container["volumeMounts"]}
-    assert {names.DEVICE_PLUGIN_DIR, names.RUN_DIR} <= mounts
+    mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+    assert {names.DEVICE_PLUGIN_DIR, names.RUN_DIR, names.ADMIN_DIR} <= set(mounts)
+    assert mounts[pod_resources]["readOnly"] is True
+    # The admin socket and restart file are in the agent's own directory, apart from the
+    # one Allocate mounts into pods (RUN_DIR).
+    assert f"--admin-dir={names.ADMIN_DIR}" in container["args"]
+    assert not Path(names.ADMIN_DIR).is_relative_to(names.RUN_DIR)
+    assert f"--pod-resources-socket={names.POD_RESOURCES_SOCKET}" in container["args"]
     context = container["securityContext"]
     assert not context.get("privileged", False)
     assert context["capabilities"] == {"drop": ["ALL"]}
@@ -262,12 +277,12 @@ def node_configs(rendered: Rendered, tmp_path: Path) -> NodeConfigFile:
     return load_config_file(file)
 
 
-def test_cdi_and_fake_gpus_reach_the_node_agent(tmp_path: Path) -> None:
+def test_cdi_is_the_default_and_fake_gpus_reach_the_node_agent(tmp_path: Path) -> None:
     args = _pod_spec(template(), "DaemonSet")["containers"][0]["args"]
-    assert not any(a.startswith("--cdi") for a in args)
+    assert "--cdi-kind=nvidia.com/gpu" in args  # no variable can widen a pod's GPUs
     assert node_configs(template(), tmp_path).default.fake_gpus == ""
-    cdi = _pod_spec(template({"cdi.enabled": True}), "DaemonSet")["containers"][0]["args"]
-    assert "--cdi-kind=nvidia.com/gpu" in cdi
+    plain = _pod_spec(template({"cdi.enabled": False}), "DaemonSet")["containers"][0]["args"]
+    assert not any(a.startswith("--cdi") for a in plain)
     fake = template({"nodeAgent.fakeGpus": "2x80Gi"})
     assert node_configs(fake, tmp_path).default.fake_gpus == "2x80Gi"
     container = _pod_spec(fake, "DaemonSet")["containers"][0]

@@ -19,7 +19,7 @@ from kvshare.demo.elastic_sim import (
 )
 from kvshare.demo.engine_sim import EngineSim
 from kvshare.demo.trace import TraceConfig
-from kvshare.deviceplugin.policy import DEFAULT_POLICY
+from kvshare.deviceplugin.broker.policy import DEFAULT_POLICY
 from kvshare.runtime.pool import KVPool
 
 SMALL = TraceConfig(duration_s=24, models=3, gpu_memory_bytes=3 * 2**30, seed=2)
@@ -156,7 +156,7 @@ def test_the_reclaim_deadline_is_the_commands_setting_in_wall_seconds(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     argv = ["--family", "default", "--seeds", "1"]
-    with caplog.at_level("WARNING", logger="kvshare.deviceplugin.books"):
+    with caplog.at_level("WARNING", logger="kvshare.deviceplugin.broker.books"):
         assert main(argv) == 0
         assert "missed its reclaim deadline" not in caplog.text
         # A deadline no pool can meet: every reclaim of memory in use misses it.

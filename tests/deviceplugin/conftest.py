@@ -20,9 +20,10 @@ from typing import Any
 
 import pytest
 
-from kvshare.deviceplugin.admin import AdminClient, AdminError, AdminRequest
+from kvshare.deviceplugin.admin.client import AdminClient, AdminError
+from kvshare.deviceplugin.broker.connections.admin_requests import AdminRequest
+from kvshare.deviceplugin.broker.views import BooksView, PoolView
 from kvshare.deviceplugin.inventory import parse_fake_gpus
-from kvshare.deviceplugin.views import BooksView, PoolView
 from tests.polling import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -87,12 +88,16 @@ class AgentProcess:
         *,
         node_name: str = "test-node",
         kubeconfig: Path | None = None,
+        preexec_fn: Callable[[], None] | None = None,
+        env: dict[str, str] | None = None,
     ) -> None:
         """``fake_gpus`` None: the GPUs come from the node's configuration (``--config``);
         ``kubeconfig`` None: no Kubernetes API."""
         self.directory = directory
-        self.broker_socket = directory / "broker.sock"
-        self.admin_socket = directory / "admin.sock"
+        # The directory pods would mount holds the broker socket only; the admin
+        # directory is apart from it, as the node agent requires.
+        self.broker_socket = directory / "run" / "broker.sock"
+        self.admin_socket = directory / "admin" / "admin.sock"
         self.gpus = parse_fake_gpus(fake_gpus, node_name) if fake_gpus else []
         kube = ["--kubeconfig", str(kubeconfig)] if kubeconfig else ["--no-kube"]
         self._args = [
@@ -100,6 +105,7 @@ class AgentProcess:
             *(["--fake-gpus", fake_gpus] if fake_gpus else []),
             "--node-name", node_name,
             "--broker-socket", str(self.broker_socket),
+            "--admin-dir", str(directory / "admin"),
             "--device-plugin-dir", str(directory / "no-kubelet"),
             "--metrics-address", "127.0.0.1:0",
             *kube,
@@ -108,15 +114,27 @@ class AgentProcess:
         self.process: subprocess.Popen[str] | None = None
         self.log: list[str] = []
         self.metrics_port = 0
+        self._preexec_fn = preexec_fn
+        self._env = env
 
     def start(self) -> None:
+        self.launch()
+        wait_until(self._started, 60, "kvshare node to start")
+
+    def launch(self) -> None:
+        """Start the process and collect its log, without waiting for it to serve."""
         self.log = []
         self.metrics_port = 0
         self.process = subprocess.Popen(
-            self._args, cwd=ROOT, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True
+            self._args,
+            cwd=ROOT,
+            stderr=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            text=True,
+            preexec_fn=self._preexec_fn,  # noqa: PLW1509 - it only sets a resource limit
+            env=self._env,
         )
         threading.Thread(target=self._collect, args=(self.process,), daemon=True).start()
-        wait_until(self._started, 60, "kvshare node to start")
 
     def _collect(self, process: subprocess.Popen[str]) -> None:
         assert process.stderr is not None
@@ -178,7 +196,8 @@ def agent_factory(short_tmp: Path) -> Iterator[Callable[..., AgentProcess]]:
 class PoolProcess:
     """A worker process (``kv_pool_proc.py``): a real KVPool leasing from the broker."""
 
-    def __init__(self, args: list[str]) -> None:
+    def __init__(self, args: list[str], preexec_fn: Callable[[], None] | None = None) -> None:
+        """``preexec_fn`` runs in the child before the worker starts (e.g. to enter a pod)."""
         self.process = subprocess.Popen(
             [sys.executable, "-m", "tests.deviceplugin.kv_pool_proc", *args],
             cwd=ROOT,
@@ -186,6 +205,7 @@ class PoolProcess:
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
+            preexec_fn=preexec_fn,  # noqa: PLW1509 - it only joins a cgroup and a namespace
         )
         hello = self._read()
         if "error" in hello:

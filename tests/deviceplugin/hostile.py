@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvshare.api.wire import BROKER_CODEC, MAX_REQUEST_BYTES, Hello, Message, Refused, Welcome
-from kvshare.deviceplugin.admin import AdminError
-from kvshare.deviceplugin.views import BooksView
+from kvshare.deviceplugin.admin.client import AdminError
+from kvshare.deviceplugin.broker.views import BooksView
 from tests.deviceplugin.conftest import MIB, ROOT, AgentProcess, PoolProcess
 
 PAGE = 2 * MIB

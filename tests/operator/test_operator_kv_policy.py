@@ -5,8 +5,10 @@ pool in its broker, and a real KV pool (host memory, leasing through the broker)
 into a raised ``kvCache.max``, gives memory back under a lowered one, and takes a new
 minimum and priority; the ModelServer's status says when the replica runs the policy.
 
-The test plays the scheduler (it binds the pod to the node) and the kubelet (it starts
-the pool process as the pod's engine and reports it ready).
+The test plays the scheduler (it binds the pod to the node) and the kubelet (it
+allocates the pod's slot through the agent's device plugin, lists it in its PodResources
+API, and starts the pool process as the pod's engine, in the pod's cgroup, and reports it
+ready): the node agent admits only a pool it can bind to a pod it knows.
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ import pytest
 import pytest_asyncio
 
 from kvshare.api import names
+from kvshare.deviceplugin.kubelet.kubelet_standin import StandInKubelet
 from tests.deviceplugin.conftest import AgentProcess, PoolProcess
+from tests.deviceplugin.trust.harness import entering, pod_cgroup_root
 from tests.operator.harness import (
     MS,
     NAMESPACE,
@@ -44,8 +48,26 @@ NODE = "kv-node"
 POLICY = {"min": "512Mi", "max": "4Gi", "priority": 100}
 
 
+@pytest.fixture
+def cgroups() -> Path:
+    root = pod_cgroup_root()
+    if root is None:
+        pytest.skip("the pod's engine runs in a pod cgroup: needs root and a writable cgroup")
+    return root
+
+
 @pytest_asyncio.fixture
-async def agent(cluster: Cluster) -> AsyncIterator[AgentProcess]:
+async def kubelet() -> AsyncIterator[StandInKubelet]:
+    directory = Path(tempfile.mkdtemp(prefix="kvk", dir="/tmp"))
+    kubelet = StandInKubelet(directory / "dp", pod_resources_socket=directory / "pr.sock")
+    kubelet.start()
+    yield kubelet
+    kubelet.stop()
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest_asyncio.fixture
+async def agent(cluster: Cluster, kubelet: StandInKubelet) -> AsyncIterator[AgentProcess]:
     """``kvshare node`` on one fake 16 GiB GPU of Node ``kv-node``, using the cluster's API."""
     await cluster.create(
         NODES,
@@ -55,11 +77,19 @@ async def agent(cluster: Cluster) -> AsyncIterator[AgentProcess]:
     process = AgentProcess(
         directory,
         "1x16Gi",
-        ["--publish-interval", "0.2"],
+        [
+            "--publish-interval",
+            "0.2",
+            "--device-plugin-dir",
+            str(kubelet.directory),
+            "--pod-resources-socket",
+            str(kubelet.pod_resources_socket),
+        ],
         node_name=NODE,
         kubeconfig=cluster.kubeconfig,
     )
     await asyncio.to_thread(process.start)
+    assert await asyncio.to_thread(kubelet.wait_registered, names.RESOURCE_GPU)
     yield process
     await asyncio.to_thread(process.stop)
     shutil.rmtree(directory, ignore_errors=True)
@@ -99,7 +129,11 @@ def placement(cluster: Cluster) -> dict[str, Any]:
 
 
 async def test_a_patched_modelserver_moves_its_pools_limits_without_recreating_the_pod(
-    cluster: Cluster, start_operator: StartOperator, agent: AgentProcess
+    cluster: Cluster,
+    start_operator: StartOperator,
+    agent: AgentProcess,
+    kubelet: StandInKubelet,
+    cgroups: Path,
 ) -> None:
     start_operator()
     await wait_for(lambda: cluster.get(f"{names.GROUP}/{names.VERSION}/kvsharenodes", None, NODE),
@@ -109,14 +143,20 @@ async def test_a_patched_modelserver_moves_its_pools_limits_without_recreating_t
     uid = pod["metadata"]["uid"]
     annotation = pod["metadata"]["annotations"][names.ANNOTATION_KV_POLICY]
     assert json.loads(annotation) == POLICY
-    # The scheduler binds it; the kubelet starts its engine: a pool leasing from the broker.
+    # The scheduler binds it; the kubelet allocates its slot and starts its engine in the
+    # pod's cgroup: a pool leasing from the broker.
     await cluster.patch(PODS, NAMESPACE, "qwen-0", {"spec": {"nodeName": NODE}})
+    slot = kubelet.healthy(names.RESOURCE_GPU)[0]
+    kubelet.allocate(names.RESOURCE_GPU, [slot], pod=(NAMESPACE, "qwen-0", "engine"))
+    cgroup = cgroups / f"pod{uid}"
+    cgroup.mkdir(parents=True)
     engine = await asyncio.to_thread(
         PoolProcess,
         ["--socket", str(agent.broker_socket), "--gpu", agent.gpus[0].uuid,
          "--namespace", NAMESPACE, "--pod", "qwen-0", "--pod-uid", uid, "--modelserver", "qwen",
          "--static", str(2 * GIB), "--kv-min", str(512 * MIB), "--kv-max", str(4 * GIB),
          "--priority", "100", "--blocks", "4096", "--capacity", str(8 * GIB)],
+        entering(cgroup),
     )  # fmt: skip
     try:
         assert engine.error is None, engine.error
@@ -176,3 +216,4 @@ async def test_a_patched_modelserver_moves_its_pools_limits_without_recreating_t
         assert engine.process.poll() is None
     finally:
         await asyncio.to_thread(engine.kill)
+        cgroup.rmdir()

@@ -48,6 +48,7 @@ def test_all_replicas_ready_is_phase_ready_with_every_condition_set() -> None:
         "Progressing": ("False", "UpToDate"),
         "Degraded": ("False", "AsExpected"),
         "ResolvedRefs": ("True", "ResolvedRefs"),
+        "PriorityAllowed": ("True", "WithinCeiling"),
     }
     assert all(
         c["observedGeneration"] == 3 and c["lastTransitionTime"] == T0 for c in result["conditions"]
@@ -68,7 +69,7 @@ def test_transition_time_moves_only_when_a_condition_changes_status() -> None:
     ready = status(Observation(generation=2, desired=1, pods=[pod(0)], plan=Plan()), first, now=T1)
     times = {c["type"]: c["lastTransitionTime"] for c in ready["conditions"]}
     assert times == {"Placed": T0, "Ready": T1, "Progressing": T1, "Degraded": T0,
-                     "ResolvedRefs": T0}  # fmt: skip
+                     "ResolvedRefs": T0, "PriorityAllowed": T0}  # fmt: skip
     assert {c["observedGeneration"] for c in ready["conditions"]} == {2}
 
 

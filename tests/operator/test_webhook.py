@@ -14,7 +14,12 @@ def user_pod() -> dict[str, object]:
         "metadata": {"labels": {names.LABEL_INJECT: "true"}},
         "spec": {
             "containers": [
-                {"name": "server", "resources": {"limits": {names.RESOURCE_GPU: "1"}}},
+                {
+                    "name": "server",
+                    "resources": {
+                        "limits": {names.RESOURCE_GPU: "1", names.RESOURCE_GPU_MEMORY: "24"}
+                    },
+                },
                 {"name": "proxy"},
             ]
         },
@@ -41,6 +46,17 @@ def test_a_pod_without_kvshare_gpus_gets_a_warning_and_nothing_else() -> None:
     injection = injection_for(pod, RUNTIME)
     assert injection.spec == {}
     assert injection.warnings and "no container requests kvshare.io/gpu" in injection.warnings[0]
+
+
+def test_a_pod_without_a_gpu_memory_request_is_warned_the_agent_will_refuse_its_pools() -> None:
+    pod = user_pod()
+    del pod["spec"]["containers"][0]["resources"]["limits"][names.RESOURCE_GPU_MEMORY]
+    injection = injection_for(pod, RUNTIME)
+    assert injection.spec  # injected all the same
+    assert (
+        injection.warnings
+        and "no container requests kvshare.io/gpu-memory" in (injection.warnings[0])
+    )
 
 
 def test_an_injected_pod_is_left_as_it_is() -> None:

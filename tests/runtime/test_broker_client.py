@@ -1,7 +1,7 @@
 """The broker client as a pool uses it: choosing a lease source from the environment,
 admission and its refusals, start-up turns, and reconnecting to a restarted broker.
 
-A real broker (``kvshare.deviceplugin.broker.Broker``) serves on a real unix socket in
+A real broker (``kvshare.deviceplugin.broker.server.Broker``) serves on a real unix socket in
 this process; the runtime code under test imports nothing of it.
 """
 
@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 
 from kvshare.api.kvpolicy import revision
-from kvshare.deviceplugin.broker import Broker, BrokerConfig
+from kvshare.deviceplugin.broker.overrides import PodPolicy
+from kvshare.deviceplugin.broker.server import Broker, BrokerConfig
 from kvshare.deviceplugin.inventory import parse_fake_gpus
-from kvshare.deviceplugin.pod_policies import PodPolicy
 from kvshare.runtime.broker_client import (
     AdmissionRefusedError,
     BrokerLease,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 
 from kvshare.api.wire import Reclaim
-from kvshare.deviceplugin.policy import Entitlement
+from kvshare.deviceplugin.broker.policy import Entitlement
 from kvshare.runtime.backends.host import HostBackend
 from kvshare.runtime.geometry import KVGeometry
 from kvshare.runtime.lease import LeaseHolder, LeaseSource, PoolUsage

@@ -28,8 +28,8 @@ import pytest
 from kvshare.demo.node_agent import broker_books
 from kvshare.demo.serving.client import Completion, MetricSample, labels_of, post, scrape, total
 from kvshare.demo.serving.vllm_server import VllmServer
-from kvshare.deviceplugin.admin import AdminRequest
-from kvshare.deviceplugin.views import PoolView
+from kvshare.deviceplugin.broker.connections.admin_requests import AdminRequest
+from kvshare.deviceplugin.broker.views import PoolView
 from tests.deviceplugin.conftest import AgentProcess
 from tests.polling import wait_until
 from tests.serving.conftest import (

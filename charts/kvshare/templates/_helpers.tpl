@@ -72,6 +72,14 @@ seccompProfile:
   type: RuntimeDefault
 {{- end }}
 
+{{/* The KV priority ceilings (kvPriority) as flags of the operator and the node agent. */}}
+{{- define "kvshare.kvPriorityArgs" -}}
+- --kv-priority-default={{ .Values.kvPriority.default }}
+{{- range $namespace, $ceiling := .Values.kvPriority.namespaces }}
+- --kv-priority={{ $namespace }}={{ $ceiling }}
+{{- end }}
+{{- end }}
+
 {{/* The node agent's configuration file: the defaults and the named configurations. */}}
 {{- define "kvshare.nodeAgent.configs" -}}
 {{- $agent := .Values.nodeAgent }}

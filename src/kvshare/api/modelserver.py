@@ -16,6 +16,7 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, Field, StringConstraints, model_validator
 
+from kvshare.api import reserved
 from kvshare.api.engines import is_supported, supported_labels
 from kvshare.api.kube import (
     DNS_SUBDOMAIN_PATTERN,
@@ -116,7 +117,7 @@ ENGINE_COMMAND_LINES: dict[str, EngineCommandLine] = {
         aliases=("--model", "-tp"),
         replaced=(
             "--gpu-memory-utilization",
-            "--kv-cache-memory",
+            "--kv-cache-memory-bytes",
             "--num-gpu-blocks-override",
             "--enable-extensible-kv-cache",
             "--no-enable-extensible-kv-cache",
@@ -323,20 +324,6 @@ class ModelServerSpec(KubeModel):
                 reason="FieldValueRequired",
             ),
             CelRule(
-                rule=(
-                    "!self.engineArgs.exists(a, "
-                    + " || ".join(f"a == '{f}' || a.startsWith('{f}=')" for f in _ALL_MANAGED_FLAGS)
-                    + ")"
-                ),
-                message_expression=(
-                    "'engineArgs may not set flags kvshare manages ("
-                    + ", ".join(_ALL_MANAGED_FLAGS)
-                    + "); use the ModelServer fields instead'"
-                ),
-                field_path=".engineArgs",
-                reason="FieldValueForbidden",
-            ),
-            CelRule(
                 rule="!self.colocateWith.exists(n, n in self.avoidColocationWith)",
                 message_expression=(
                     "'a ModelServer cannot be both in colocateWith and avoidColocationWith'"
@@ -363,11 +350,17 @@ class ModelServerSpec(KubeModel):
     model: str = Field(min_length=1, max_length=1024)
     """Model to serve: a Hugging Face id or a path inside the image."""
     engine_args: list[Annotated[str, StringConstraints(max_length=512)]] = Field(
-        default=[], max_length=128
+        default=[],
+        max_length=128,
+        json_schema_extra=cel_rules(reserved.engine_args_rule(_ALL_MANAGED_FLAGS)),
     )
-    """Extra engine command-line arguments, passed through unchanged."""
-    env: list[EnvVar] = Field(default=[], max_length=128)
-    """Extra environment variables for the engine container (e.g. HF_TOKEN from a Secret)."""
+    """Extra engine command-line arguments, passed through unchanged; not the flags kvshare
+    sets or that size memory (nor their abbreviations)."""
+    env: list[EnvVar] = Field(
+        default=[], max_length=128, json_schema_extra=cel_rules(reserved.env_rule())
+    )
+    """Extra environment variables for the engine container (e.g. HF_TOKEN from a Secret);
+    not those that choose GPUs (NVIDIA_*, CUDA_VISIBLE_DEVICES, ...) or configure kvshare."""
     replicas: int = Field(default=1, ge=0, le=1024)
     """Number of replicas, each a pod with tensorParallelSize GPUs."""
     tensor_parallel_size: Literal[1, 2, 4, 8] = 1
@@ -429,16 +422,14 @@ class ModelServerSpec(KubeModel):
                 "set staticMemory (GPU memory per worker for weights and activations, e.g. "
                 "18Gi) or modelParameters (e.g. 8B) so kvshare can place the model"
             )
-        managed = [
-            arg
-            for arg in self.engine_args
-            if arg in _ALL_MANAGED_FLAGS or arg.split("=", 1)[0] in _ALL_MANAGED_FLAGS
-        ]
+        managed = reserved.managed_args(self.engine_args, _ALL_MANAGED_FLAGS)
         if managed:
             problems.append(
-                f"engineArgs may not set flags kvshare manages ({', '.join(managed)}); "
-                "use the ModelServer fields instead"
+                f"engineArgs may not set flags kvshare manages ({', '.join(managed)}): they "
+                f"set or abbreviate one of {', '.join(_ALL_MANAGED_FLAGS)}; use the "
+                "ModelServer fields instead"
             )
+        problems += reserved.env_problems(item.name for item in self.env)
         both = sorted(set(self.colocate_with) & set(self.avoid_colocation_with))
         if both:
             problems.append(

@@ -60,7 +60,14 @@ ANNOTATION_KV_POLICY: Final = f"{GROUP}/kv-policy"
 #: Directory the node agent shares with model-server pods (broker socket).
 RUN_DIR: Final = "/run/kvshare"
 BROKER_SOCKET_NAME: Final = "broker.sock"
+#: The node agent's own directory: its admin socket and restart file. No pod mounts it
+#: (the agent refuses one inside :data:`RUN_DIR`); mode 0700, owned by the agent.
+ADMIN_DIR: Final = "/var/lib/kvshare"
 ADMIN_SOCKET_NAME: Final = "admin.sock"
+STATE_FILE_NAME: Final = "broker.state"
+#: The kubelet's PodResources API (``v1.PodResourcesLister``): which devices each
+#: container got, by device id.
+POD_RESOURCES_SOCKET: Final = "/var/lib/kubelet/pod-resources/kubelet.sock"
 #: Where the kubelet and device plugins keep their sockets.
 DEVICE_PLUGIN_DIR: Final = "/var/lib/kubelet/device-plugins"
 KUBELET_SOCKET_NAME: Final = "kubelet.sock"

@@ -36,13 +36,14 @@ import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from kvshare.demo.engine_sim import BlockAllocator, EngineSim
+from kvshare.demo.blocks import BlockAllocator
+from kvshare.demo.engine_sim import EngineSim
 from kvshare.demo.trace import Trace
 
-__all__ = ["Bound", "paged_sharing", "sharing_bound"]
+__all__ = ["Bound", "FixedBlocks", "paged_sharing", "sharing_bound"]
 
 
-class _Blocks:
+class FixedBlocks:
     """Block ids ``1..count`` (0 is the null block), handed out and taken back."""
 
     def __init__(self, count: int) -> None:
@@ -188,8 +189,8 @@ def sharing_bound(trace: Trace) -> Bound:
     config = trace.config
     # Every real pool keeps block 0 as its null block: a share lends one block less.
     usable = config.share_blocks() - 1
-    partitions = [_Blocks(usable) for _ in range(config.models)]
-    pool = _Blocks(usable * config.models)
+    partitions = [FixedBlocks(usable) for _ in range(config.models)]
+    pool = FixedBlocks(usable * config.models)
     return Bound(
         partitioned=_serve(trace, partitions),
         shared=_serve(trace, [pool] * config.models),

@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING
 
 from kvshare.api import names
 from kvshare.api.quantity import QuantityError, format_bytes, parse_bytes
-from kvshare.demo.orchestrator import DEFAULT_SPEED, ENGINES
+from kvshare.demo.options import DEFAULT_SPEED, ENGINES
 from kvshare.demo.trace import TraceConfig
 
 if TYPE_CHECKING:
-    from kvshare.demo.orchestrator import DemoOptions
+    from kvshare.demo.options import DemoOptions
 
 #: The trace's defaults, under the names of the options that override them.
 _DEFAULTS = {
@@ -128,8 +128,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _options(args: argparse.Namespace) -> DemoOptions:
-    from kvshare.demo.orchestrator import DemoOptions
-    from kvshare.deviceplugin.policy import policy_named
+    from kvshare.demo.options import DemoOptions
+    from kvshare.deviceplugin.broker.policy import policy_named
 
     given = {k: getattr(args, k) for k in _DEFAULTS if getattr(args, k) is not None}
     if args.trace is not None and given:

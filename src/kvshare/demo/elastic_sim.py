@@ -8,16 +8,11 @@ depends only on the trace and on the settings below — the same result every ti
 any machine, in seconds — for trying broker policies against the trace suite. The real
 run confirms what it finds.
 
-What runs for real: :class:`~kvshare.deviceplugin.books.Books` with the chosen policy,
-one :class:`~kvshare.runtime.pool.KVPool` per model with the demo server's geometry,
-reserve and lease chunk (over :mod:`~kvshare.demo.bookkeeping_backend`, which only
-bookkeeps its pages: the lowest layer, which the simulation never reads or writes), each
-pool's side of the lease conversation
-(:class:`~kvshare.runtime.lease_conversation.LeaseConversation`, as in the broker
-client), and :class:`~kvshare.demo.engine_sim.EngineSim`. What stands in: the socket
-between a pool and the broker is a delay (``latency_s`` each way), the pools' background
-threads run their maintenance pass after every step of their engine, after each lease
-change and on their report timer, and the broker's deadlines fire on time.
+It runs the trace on :class:`~kvshare.demo.sim_node.SimNode` (what runs for real there
+and what stands in is said in :mod:`kvshare.demo.sim_node`): one pool per model with the
+demo server's geometry, reserve and lease chunk, and
+:class:`~kvshare.demo.engine_sim.EngineSim` with the trace's step cost, every engine
+stepping at its own time, as if each had a GPU of its own.
 
 Time: the engines keep the trace's time; kvshare's delays (the latency, the report
 intervals, the slow-start window, reclaim deadlines) are wall-clock times that the demo's
@@ -28,40 +23,30 @@ way here.
 from __future__ import annotations
 
 import argparse
-import functools
-import heapq
-import itertools
 import json
 import math
 import mmap
 import statistics
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
-from kvshare.api.wire import PROTOCOL_VERSION, Hello, Lease, Message, Reclaim, Report, Want
 from kvshare.demo import suite as suite_mod
 from kvshare.demo import trace as trace_mod
-from kvshare.demo.bookkeeping_backend import BookkeepingBackend
 from kvshare.demo.bound import Bound, paged_sharing, sharing_bound
 from kvshare.demo.engine_sim import EngineSim
 from kvshare.demo.server import demo_geometry, lease_chunk_bytes
 from kvshare.demo.sim_diagnosis import Diagnosis
+from kvshare.demo.sim_node import NodeSettings, PoolSpec, SimNode, Watch
 from kvshare.demo.stats import percentile
-from kvshare.deviceplugin.books import Books, Send
-from kvshare.deviceplugin.inventory import GpuInfo
-from kvshare.deviceplugin.policy import (
+from kvshare.deviceplugin.broker.policy import (
     DEFAULT_POLICY,
     POLICIES,
     Entitlement,
     Policy,
     policy_named,
 )
-from kvshare.runtime.broker_client import DEFAULT_SLOW_START_WINDOW_S
 from kvshare.runtime.geometry import KVGeometry
-from kvshare.runtime.lease import LeaseHolder, LeaseSource, PoolUsage
-from kvshare.runtime.lease_conversation import IDLE_S, LeaseConversation
 from kvshare.runtime.pool import DEFAULT_RESERVE_PAGES, KVPool
 
 __all__ = [
@@ -75,14 +60,10 @@ __all__ = [
     "summarise",
 ]
 
-GPU_UUID = "GPU-kvshare-sim"
 #: The host backend's mapping granularity, whose geometry the demo's pools use.
 _GRANULARITY = mmap.PAGESIZE
 #: The name :func:`summarise` gives the instant page-sharing reference.
 PAGED_REFERENCE = "instant-pages"
-#: The demo server's pool settings (see :mod:`kvshare.demo.server`).
-POOL_REPORT_INTERVAL_S = 0.5
-LEASE_REPORT_INTERVAL_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -174,270 +155,36 @@ class SimResult:
         return model, ratio
 
 
-class _Clock:
-    """The simulated time (trace seconds) and what is due when."""
+def _node(trace: trace_mod.Trace, options: SimOptions) -> SimNode:
+    """The simulated node of ``trace``'s GPU: one pool per model with the demo server's
+    geometry, lease chunk and step cost, every engine on its own clock."""
+    config = trace.config
+    geometry = _pool_geometry(config, options.page_blocks)
+    chunk = lease_chunk_bytes(config, geometry)
+    kv_min = int(config.gpu_memory_bytes // config.models * options.kv_min_share)
+    specs = [
+        PoolSpec(f"model-{model}", geometry, chunk, kv_min, config.gpu_memory_bytes)
+        for model in range(config.models)
+    ]
+    settings = NodeSettings(
+        gpu_bytes=config.gpu_memory_bytes,
+        granularity=_GRANULARITY,
+        latency_s=options.latency_s,
+        speed=options.speed,
+        reclaim_deadline_s=options.reclaim_deadline_s,
+        reserve_pages=options.reserve_pages,
+    )
 
-    def __init__(self, speed: float) -> None:
-        self.now = 0.0
-        self.speed = speed
-        self._due: list[tuple[float, int, Callable[[], None]]] = []
-        self._order = itertools.count()
-
-    def wall(self) -> float:
-        """The time kvshare's own parts keep (wall seconds, before the speed-up)."""
-        return self.now / self.speed
-
-    def at(self, t: float, action: Callable[[], None]) -> None:
-        heapq.heappush(self._due, (max(t, self.now), next(self._order), action))
-
-    def after_wall(self, seconds: float, action: Callable[[], None]) -> None:
-        self.at(self.now + seconds * self.speed, action)
-
-    def run_until(self, end: float) -> None:
-        while self._due and self._due[0][0] < end:
-            t, _, action = heapq.heappop(self._due)
-            self.now = t
-            action()
-        self.now = end
-
-
-class _SimLease(LeaseSource):
-    """One pool's lease over a delayed link to the simulated broker (the broker client's
-    part: its conversation, its lease thread's timing)."""
-
-    def __init__(self, node: _Node, model: int, hello: Hello, chunk: int) -> None:
-        self._node = node
-        self.model = model
-        self.hello = hello
-        self.pool_id = 0
-        self.pool: KVPool | None = None
-        self._holder: LeaseHolder | None = None
-        self._talk = LeaseConversation(
-            chunk_bytes=chunk,
-            page_size=hello.page_size,
-            ceiling=hello.kv_max,
-            report_interval_s=LEASE_REPORT_INTERVAL_S,
-            slow_start_window_s=DEFAULT_SLOW_START_WINDOW_S,
+    def engine(model: int, pool: KVPool) -> EngineSim:
+        return EngineSim(
+            trace.for_model(model),
+            pool,
+            block_tokens=config.block_tokens,
+            cost=config.step_cost(),
+            patience_s=config.patience_s,
         )
-        self._send_scheduled = False
 
-    def attach(self, holder: LeaseHolder) -> None:
-        self._holder = holder
-        admission = self._node.books.admit(self.hello, 1000 + self.model, self._node.clock.wall())
-        if admission.record is None:
-            raise RuntimeError(
-                f"the simulated broker refused model {self.model}: {admission.reason}"
-            )
-        self.pool_id = admission.record.id
-        self._node.leases[self.pool_id] = self
-        self._talk.granted(admission.record.lease, self._node.clock.wall())
-        self._node.deliver(admission.sends)
-
-    def limit(self) -> int:
-        return self._talk.limit
-
-    def want(self, total_bytes: int) -> None:
-        if self._talk.want(total_bytes, self._node.clock.wall()):
-            self._send()
-
-    def report(self, usage: PoolUsage) -> None:
-        self._talk.report(usage)
-        self._schedule_send(0.0)
-
-    def _schedule_send(self, wall_s: float) -> None:
-        if not self._send_scheduled:
-            self._send_scheduled = True
-            self._node.clock.after_wall(wall_s, self._send)
-
-    def _send(self) -> None:
-        """What the lease thread sends when it wakes (see ``BrokerLease._send_due``)."""
-        self._send_scheduled = False
-        want = self._talk.next_want()
-        if want is not None:
-            self._node.to_broker(self.pool_id, want)
-        report, wait = self._talk.next_report(self._node.clock.wall())
-        if report is not None:
-            self._node.to_broker(self.pool_id, report)
-        elif wait < IDLE_S:
-            self._schedule_send(wait)
-
-    def receive(self, message: Message) -> None:
-        """A message from the broker arrives."""
-        if isinstance(message, Lease):
-            changed = self._talk.granted(message.limit, self._node.clock.wall())
-        elif isinstance(message, Reclaim):
-            self._talk.reclaimed(message)
-            changed = True
-        else:
-            raise RuntimeError(f"unexpected {message!r} from the simulated broker")
-        if changed and self._holder is not None:
-            self._holder.lease_changed(self._talk.limit)
-            self._node.maintain_soon(self.model)
-
-    def close(self) -> None:
-        self._node.books.remove(self.pool_id, "bye", self._node.clock.wall())
-
-
-class _Node:
-    """The simulated node: the broker's books, the pools and their engines."""
-
-    def __init__(self, trace: trace_mod.Trace, options: SimOptions) -> None:
-        config = trace.config
-        self.options = options
-        self.clock = _Clock(options.speed)
-        gpu = GpuInfo(uuid=GPU_UUID, index=0, name="simulated", total_bytes=config.gpu_memory_bytes)
-        self.books = Books(
-            [gpu],
-            headroom=0,
-            reclaim_deadline_s=options.reclaim_deadline_s,
-            policy=options.broker_policy(),
-        )
-        self.leases: dict[int, _SimLease] = {}
-        self.pools: list[KVPool] = []
-        self.engines: list[EngineSim] = []
-        self._maintaining: set[int] = set()
-        self._tick_at: float | None = None
-        self._starting = True
-        geometry = _pool_geometry(config, options.page_blocks)
-        chunk = lease_chunk_bytes(config, geometry)
-        share = config.gpu_memory_bytes // config.models
-        kv_min = int(share * options.kv_min_share)
-        for model in range(config.models):
-            hello = Hello(
-                version=PROTOCOL_VERSION,
-                gpu=GPU_UUID,
-                page_size=geometry.page_bytes,
-                kv_min=kv_min,
-                kv_max=config.gpu_memory_bytes,
-                priority=100,
-                static=0,
-                namespace="kvshare-sim",
-                pod=f"model-{model}",
-                engine="kvshare-demo",
-            )
-            lease = _SimLease(self, model, hello, chunk)
-            pool = KVPool(
-                geometry,
-                BookkeepingBackend(_GRANULARITY),
-                lease,
-                background=False,
-                lease_chunk_bytes=chunk,
-                reserve_pages=options.reserve_pages,
-                report_interval_s=POOL_REPORT_INTERVAL_S,
-                clock=self.clock.wall,
-            )
-            engine = EngineSim(
-                trace.for_model(model),
-                pool,
-                block_tokens=config.block_tokens,
-                cost=config.step_cost(),
-                patience_s=config.patience_s,
-            )
-            pool.set_evictor(engine.prefix_cache)
-            self.pools.append(pool)
-            self.engines.append(engine)
-        self._starting = False
-
-    # --- messages -------------------------------------------------------------------------
-
-    def to_broker(self, pool_id: int, message: Want | Report) -> None:
-        def arrive() -> None:
-            now = self.clock.wall()
-            if isinstance(message, Want):
-                sends = self.books.want(pool_id, message.seq, message.total, now)
-            else:
-                sends = self.books.report(pool_id, message, now)
-            self.deliver(sends)
-
-        if self._starting:
-            arrive()
-        else:
-            self.clock.after_wall(self.options.latency_s, arrive)
-
-    def deliver(self, sends: Sequence[Send]) -> None:
-        for send in sends:
-            lease = self.leases.get(send.key) if send.to == "pool" else None
-            if lease is None:
-                continue
-            if self._starting:
-                lease.receive(send.message)
-            else:
-                self.clock.after_wall(
-                    self.options.latency_s, functools.partial(lease.receive, send.message)
-                )
-        self._schedule_tick()
-
-    def _schedule_tick(self) -> None:
-        deadline = self.books.next_deadline()
-        if deadline is None:
-            return
-        at = deadline * self.clock.speed
-        if self._tick_at is not None and self._tick_at <= at:
-            return
-        self._tick_at = at
-
-        def tick() -> None:
-            self._tick_at = None
-            sends, _ = self.books.tick(self.clock.wall())
-            self.deliver(sends)
-
-        self.clock.at(at, tick)
-
-    # --- pools and engines ------------------------------------------------------------------
-
-    def maintain_soon(self, model: int) -> None:
-        if model in self._maintaining:
-            return
-        self._maintaining.add(model)
-
-        def run() -> None:
-            self._maintaining.discard(model)
-            self.pools[model].maintain()
-
-        self.clock.at(self.clock.now, run)
-
-    def _step(self, model: int) -> None:
-        engine, pool = self.engines[model], self.pools[model]
-        pool.steps.scheduled()
-        engine.step()
-        pool.steps.finished()
-        pool.maintain()
-        self._schedule_engine(model)
-
-    def _schedule_engine(self, model: int) -> None:
-        start = self.engines[model].next_step_at()
-        if start is not None:
-            self.clock.at(start, lambda: self._step(model))
-
-    def _timer(self, model: int) -> None:
-        self.pools[model].maintain()
-        self.clock.after_wall(POOL_REPORT_INTERVAL_S, lambda: self._timer(model))
-
-    def run(self, duration_s: float, watch: Watch | None = None) -> None:
-        for model in range(len(self.engines)):
-            self._schedule_engine(model)
-            self.clock.after_wall(POOL_REPORT_INTERVAL_S, functools.partial(self._timer, model))
-        if watch is not None:
-            self._watch(watch)
-        self.clock.run_until(duration_s)
-
-    def _watch(self, watch: Watch) -> None:
-        watch(self.pools, self.engines)
-        self.clock.at(self.clock.now + watch.interval_s, lambda: self._watch(watch))
-
-    def close(self) -> None:
-        for engine, pool in zip(self.engines, self.pools, strict=True):
-            engine.close()
-            pool.close()
-
-
-class Watch(Protocol):
-    """Looks at the simulated node every ``interval_s`` trace seconds, between events."""
-
-    interval_s: float
-
-    def __call__(self, pools: Sequence[KVPool], engines: Sequence[EngineSim]) -> None:
-        """Sample the pools and their engines (model ``i`` is ``pools[i]``, ``engines[i]``)."""
+    return SimNode(settings, options.broker_policy(), specs, engine)
 
 
 def simulate(
@@ -449,10 +196,12 @@ def simulate(
 ) -> SimResult:
     """Run the elastic world of ``trace`` in simulated time (see the module doc);
     ``watch``, if given, samples it as it runs."""
-    opts = options or SimOptions()
-    node = _Node(trace, opts)
+    node = _node(trace, options or SimOptions())
     try:
-        node.run(trace.config.duration_s, watch)
+        node.start(own_clocks=True)
+        if watch is not None:
+            node.watch(watch)
+        node.clock.run_until(trace.config.duration_s)
         engines = node.engines
         waits = [w for e in engines for w in e.waits()[0]]
         node.books.check()

@@ -4,10 +4,12 @@ The simulation does what a vLLM-style scheduler does with KV memory, and nothing
 
 - **Admission.** A request that has arrived waits in a FIFO queue until its prompt's KV
   blocks (plus the first output token) can be allocated; the head of the queue blocks the
-  rest, as in vLLM. Its *queueing delay* is the time from arrival to first admission,
-  which is also when its first token comes (prefill takes one step). The scheduler asks
-  the allocator whenever it has work: while the pool gives memory back after a reclaim,
-  the pool itself serves only from the pages it keeps and says no once they are full.
+  rest, as in vLLM. Its *queueing delay* is the time from arrival to first admission.
+  Its first token comes at the end of the step that computes the last of its prompt:
+  the admission step itself, unless chunked prefill spreads a long prompt over several
+  steps (below). The scheduler asks the allocator whenever it has work: while the pool
+  gives memory back after a reclaim, the pool itself serves only from the pages it keeps
+  and says no once they are full.
 - **Patience.** A client whose first token has not come ``patience_s`` after it sent the
   request gives up: the request leaves the queue, or is dropped when its patience ran
   out during the step computing its first token, and counts as *abandoned* (its queueing
@@ -23,183 +25,105 @@ The simulation does what a vLLM-style scheduler does with KV memory, and nothing
 - **Completion.** A request that has produced all its tokens frees its blocks and counts
   as served.
 - **Prefix cache.** Requests that start with the model's system prompt share its full
-  blocks. When the last request using them finishes, the blocks stay cached; they are
-  evicted from the tail when the allocator runs short or the pool is asked to shrink
-  (:class:`PrefixCache` is the pool's ``Evictor``).
+  blocks (:class:`~kvshare.demo.blocks.PrefixCache`, the pool's ``Evictor``).
 
-Time: a step costs what the batch in it costs (:class:`StepCost`): a fixed part, a part
-per token computed — the prompt tokens of the requests admitted in it (less the cached
-prefix) and one token per running request — and a part per token of context its
-decoding requests attend to. So a bigger batch streams more tokens per second in all,
-but each of its requests fewer, as on a real engine; with no cost per token every step
-takes the fixed time, and throughput is proportional to the memory the batch holds. A
-step's tokens are capped (``max_tokens``, vLLM's ``max_num_batched_tokens``): running
-requests first, then admissions while the budget lasts (the first admission of a step
-always, as chunked prefill would start it). A request's first token comes at the end
-of its admission step. An engine with nothing to do waits for the next arrival instead
-of stepping. The caller drives the clock with :meth:`EngineSim.advance`; steps happen at
-logical times, so the results depend only on the trace and on what the allocator
-grants, not on how promptly the caller's process was scheduled.
+Limits (:class:`SchedulerLimits`): a step's tokens are capped (``max_tokens``, vLLM's
+``max_num_batched_tokens``) and so are the requests running (``max_running``, vLLM's
+``max_num_seqs``): running requests first, then admissions while the budget lasts.
+Without chunked prefill the first admission of a step always goes in whole (the demo's
+engine). With it, as vLLM's V1 scheduler does, a prompt that does not fit the step's
+budget is computed in chunks over several steps, the running requests first in each;
+its blocks are all allocated at admission (vLLM allocates them chunk by chunk: slightly
+more memory is held while a long prompt is computed).
 
-Threads: the engine is driven from one thread. The pool may call the prefix cache's
-``evict`` from another thread (a lease reclaim); the cache guards its state with its own
-lock and never calls the allocator while holding it.
+Time: what a step costs is the cost model's business (:mod:`kvshare.demo.step_cost`):
+the engine describes its batch as a :class:`~kvshare.demo.step_cost.StepWork`. An engine
+with nothing to do waits for the next arrival instead of stepping. :meth:`EngineSim.step`
+takes one step at the engine's own time, which costs what the cost model says;
+:meth:`EngineSim.begin_step` and :meth:`EngineSim.end_step` split it for a caller that
+decides when a step starts and ends (the GPU twin's arbiter, which shares one device
+between engines). Steps happen at logical times, so the results depend only on the
+requests and on what the allocator grants, not on how promptly the caller's process was
+scheduled.
+
+Cost of simulating: a step touches only the requests something happens to (a block
+boundary, a completion, an admission), found in two heaps keyed by the decode round at
+which it happens; a request's generated tokens are implied by the rounds since it
+joined, and the context the batch attends to is kept as a running sum.
 """
 
 from __future__ import annotations
 
-import threading
+import heapq
+import itertools
 from collections import deque
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Sequence
 
-if TYPE_CHECKING:
-    from kvshare.demo.trace import Request
+from kvshare.demo.blocks import BlockAllocator, PrefixCache
+from kvshare.demo.engine_api import (
+    EngineRequest,
+    EngineSample,
+    EngineStats,
+    RequestObserver,
+    SchedulerLimits,
+)
+from kvshare.demo.step_cost import CostModel, StepCost, StepWork
 
-__all__ = ["BlockAllocator", "EngineSample", "EngineSim", "EngineStats", "PrefixCache", "StepCost"]
-
-
-@dataclass(frozen=True)
-class StepCost:
-    """What one scheduler step costs, in seconds::
-
-        fixed_s + per_token_s * tokens computed + per_context_token_s * context tokens
-
-    *Tokens computed* are the prompt tokens of the requests admitted in the step (less
-    their cached prefix) and one per running request; *context tokens* are the tokens
-    already in the KV cache of the running requests, which attention reads once per step.
-    """
-
-    fixed_s: float
-    """Seconds of a step whatever its batch (reading the weights, scheduling, sampling)."""
-    per_token_s: float = 0.0
-    """Seconds per token computed in the step (prompt tokens and decoded tokens alike)."""
-    per_context_token_s: float = 0.0
-    """Seconds per token of KV cache that the step's decoding requests attend to."""
-    max_tokens: int | None = None
-    """Most tokens one step computes (None: no cap)."""
-
-    def __post_init__(self) -> None:
-        if not self.fixed_s > 0 or min(self.per_token_s, self.per_context_token_s) < 0:
-            raise ValueError("a step needs fixed_s > 0 and per-token costs >= 0")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, not {self.max_tokens}")
-
-    def seconds(self, tokens: float, context: float = 0.0) -> float:
-        """How long a step computing ``tokens`` tokens over ``context`` cached ones takes."""
-        return self.fixed_s + self.per_token_s * tokens + self.per_context_token_s * context
+__all__ = [
+    "BlockAllocator",
+    "EngineRequest",
+    "EngineSample",
+    "EngineSim",
+    "EngineStats",
+    "PrefixCache",
+    "RequestObserver",
+    "SchedulerLimits",
+    "StepCost",
+    "StepWork",
+]
 
 
-class BlockAllocator(Protocol):
-    """The part of ``KVPool`` the engine uses (see :mod:`kvshare.runtime.pool`)."""
-
-    def alloc(self, n: int, *, running: bool = False) -> object:
-        """``n`` block ids as a ``list[int]``, or a falsy "no space" result. ``running``:
-        they grow a running request (not one being admitted)."""
-
-    def free(self, ids: Iterable[int]) -> None:
-        """Give blocks back."""
-
-    def set_running_requests(self, count: int) -> None:
-        """The engine runs ``count`` requests into its next step (said after each step)."""
-
-
-class PrefixCache:
-    """One model's system-prompt blocks: shared by the requests using them, then cached.
-
-    The blocks form one chain (block ``i`` holds tokens ``[i * B, (i + 1) * B)`` of the
-    prefix). While any running request references the chain it is in use; otherwise it is
-    cached and :meth:`evict` frees blocks from its tail.
-    """
-
-    def __init__(self, allocator: BlockAllocator) -> None:
-        self._allocator = allocator
-        self._lock = threading.Lock()  # guards _chain and _refs; never held across allocator calls
-        self._chain: list[int] = []
-        self._refs = 0
-        self.evicted_blocks = 0
-
-    def acquire(self) -> int:
-        """Reference the chain (so it cannot be evicted); returns its length in blocks."""
-        with self._lock:
-            self._refs += 1
-            return len(self._chain)
-
-    def extend(self, blocks: Sequence[int]) -> None:
-        """Append freshly computed prefix blocks to the chain (caller holds a reference)."""
-        with self._lock:
-            self._chain.extend(blocks)
-
-    def release(self) -> None:
-        """Drop one reference; at zero the chain becomes evictable cache."""
-        with self._lock:
-            if self._refs <= 0:
-                raise RuntimeError("prefix cache released more often than acquired")
-            self._refs -= 1
-
-    def in_use_blocks(self) -> int:
-        """Chain blocks referenced by running requests."""
-        with self._lock:
-            return len(self._chain) if self._refs else 0
-
-    def cached_blocks(self) -> int:
-        """Blocks held only as cache: what :meth:`evict` could free now."""
-        with self._lock:
-            return 0 if self._refs else len(self._chain)
-
-    def evict(self, n: int) -> int:
-        """Free up to ``n`` unreferenced blocks from the chain's tail; returns how many."""
-        with self._lock:
-            if self._refs or n <= 0:
-                return 0
-            victims = self._chain[-n:]
-            del self._chain[-n:]
-            self.evicted_blocks += len(victims)
-        if victims:
-            self._allocator.free(victims)
-        return len(victims)
-
-
-@dataclass
 class _Running:
-    request: Request
-    blocks: list[int]  # blocks this request owns (its share of the prefix chain excluded)
-    prefix_blocks: int  # full blocks of the shared prefix it references (0 = none)
-    generated: int = 0
+    """A running request. Decoding, it has ``gen + round - joined`` tokens generated;
+    ``left`` prompt tokens are still to compute while it is being prefilled."""
 
-    def tokens(self) -> int:
-        return self.request.prompt_tokens + self.generated
+    __slots__ = (
+        "blocks",
+        "first",
+        "gen",
+        "joined",
+        "left",
+        "length",
+        "number",
+        "prefix_blocks",
+        "request",
+    )
 
+    def __init__(
+        self,
+        number: int,
+        request: EngineRequest,
+        blocks: list[int],
+        prefix_blocks: int,
+        gen: int,
+        *,
+        left: int,
+        length: int,
+        first: bool,
+    ) -> None:
+        self.number = number  # admission number: its place in the running order
+        self.request = request
+        self.blocks = blocks  # blocks this request owns (its share of the prefix chain excluded)
+        self.prefix_blocks = prefix_blocks  # full blocks of the shared prefix it references
+        self.gen = gen
+        self.joined = 0
+        self.left = left
+        self.length = length  # the prompt (and recomputed tokens) its prefill attends to
+        self.first = first  # admitted for the first time: its first token is still to come
 
-@dataclass(frozen=True)
-class EngineSample:
-    """The engine's state after one step."""
-
-    t: float
-    running: int
-    waiting: int
-    served: int
-    used_blocks: int
-    cached_blocks: int
-
-
-@dataclass
-class EngineStats:
-    """Counts since the start; ``waits_s`` has one queueing delay per admitted request."""
-
-    arrived: int = 0
-    served: int = 0
-    abandoned: int = 0
-    preemptions: int = 0
-    waits_s: list[float] = field(default_factory=list)
-    #: Arrival times matching ``waits_s`` (to plot delay against time).
-    wait_arrivals_s: list[float] = field(default_factory=list)
-
-    def record_wait(self, wait_s: float, arrival_s: float) -> None:
-        """One request's queueing delay (admitted or abandoned)."""
-        self.waits_s.append(wait_s)
-        self.wait_arrivals_s.append(arrival_s)
+    def base(self) -> int:
+        """Its tokens are ``base() + round`` while it decodes."""
+        return self.request.prompt_tokens + self.gen - self.joined
 
 
 class EngineSim:
@@ -207,31 +131,49 @@ class EngineSim:
 
     def __init__(
         self,
-        requests: Sequence[Request],
+        requests: Sequence[EngineRequest],
         allocator: BlockAllocator,
         *,
         block_tokens: int,
-        cost: StepCost,
+        cost: CostModel,
         max_running: int = 256,
         patience_s: float | None = None,
+        limits: SchedulerLimits | None = None,
+        observer: RequestObserver | None = None,
     ) -> None:
+        """``limits`` default to ``max_running`` and, for a :class:`StepCost`, its token cap."""
         if block_tokens < 1 or max_running < 1:
             raise ValueError("need block_tokens >= 1 and max_running >= 1")
         if patience_s is not None and not patience_s > 0:
             raise ValueError(
                 f"patience_s must be > 0 (or None: clients wait forever), not {patience_s}"
             )
+        if limits is None:
+            cap = cost.max_tokens if isinstance(cost, StepCost) else None
+            limits = SchedulerLimits(max_tokens=cap, max_running=max_running)
         self._pending = deque(sorted(requests, key=lambda r: r.arrival_s))
         self._allocator = allocator
         self._block_tokens = block_tokens
         self.cost = cost
-        self._max_running = max_running
+        self.limits = limits
         self._patience_s = patience_s
+        self._observer = observer
         self.prefix_cache = PrefixCache(allocator)
-        self._waiting: deque[Request] = deque()
-        self._running: list[_Running] = []
+        self._waiting: deque[EngineRequest] = deque()
+        # Running requests by admission number: insertion order is admission order, so
+        # the last item is the most recently admitted (the preemption victim).
+        self._running: dict[int, _Running] = {}
+        self._numbers = itertools.count()
+        self._round = 0  # decode passes so far
+        self._decoding = 0  # running requests past their prefill
+        self._base_sum = 0  # sum of base() over them: context = _base_sum + _decoding * round
+        self._own_blocks = 0
+        self._needs: list[tuple[int, int]] = []  # (round of the pass it needs a block in, number)
+        self._ends: list[tuple[int, int]] = []  # (round after which it is done, number)
         self._admitted: set[int] = set()
         self._progress: dict[int, int] = {}  # tokens generated by preempted requests
+        self._first_token_s: dict[int, float] = {}  # of running and preempted requests
+        self._step: tuple[StepWork, list[_Running]] | None = None  # begun, not ended
         self._clock = 0.0
         self.steps = 0
         self.tokens = 0
@@ -276,27 +218,56 @@ class EngineSim:
     def step(self) -> EngineSample:
         """One scheduler step, starting at :attr:`clock` (an idle engine's first moves the
         clock to the next arrival); its batch sets how long it takes."""
-        if self.idle() and self._pending:
-            self._clock = max(self._clock, self._pending[0].arrival_s)
+        work = self.begin_step()
+        self.end_step(self._clock + self.cost.step_seconds(work))
+        return self.sample()
+
+    def begin_step(self, now: float | None = None) -> StepWork:
+        """Form the batch of a step starting at ``now`` (default: :attr:`clock`, or the
+        next arrival for an idle engine) and return its work; :meth:`end_step` ends it."""
+        if self._step is not None:
+            raise RuntimeError("a step has begun and not ended")
+        if now is None:
+            if self.idle() and self._pending:
+                self._clock = max(self._clock, self._pending[0].arrival_s)
+        else:
+            self._clock = max(self._clock, now)
         now = self._clock
         while self._pending and self._pending[0].arrival_s <= now + 1e-9:
             self._waiting.append(self._pending.popleft())
             self.stats.arrived += 1
         self._abandon(now)
-        context = sum(r.tokens() for r in self._running)
-        preempted, tokens = self._decode()
-        admitted: list[_Running] = []
+        context = self._base_sum + self._decoding * self._round
+        preempted, decoded = self._decode()
+        budget = self.limits.max_tokens
+        left = None if budget is None else budget - decoded
+        prefill, attended = 0, 0
+        prefilled: list[_Running] = []
+        if self.limits.chunked_prefill:
+            prefill, attended = self._continue_prefills(left, prefilled)
         if not preempted and self._waiting:
-            budget = self.cost.max_tokens
-            tokens += self._admit(None if budget is None else budget - tokens, admitted)
+            more, more_attended = self._admit(None if left is None else left - prefill, prefilled)
+            prefill, attended = prefill + more, attended + more_attended
+        work = StepWork(prefill, attended, decoded, context)
+        self._step = (work, prefilled)
+        return work
+
+    def end_step(self, end: float) -> None:
+        """End the step begun by :meth:`begin_step` at ``end``: first tokens, completions."""
+        if self._step is None:
+            raise RuntimeError("no step has begun")
+        work, prefilled = self._step
+        self._step = None
         self.steps += 1
-        self.tokens += tokens
-        self._clock = now + self.cost.seconds(tokens, context)
-        for entry in admitted:  # their first token comes with the step's end
-            self._first_token(entry)
+        self.tokens += work.tokens
+        self._clock = end
+        for entry in prefilled:
+            self._start_decoding(entry)
+        for entry in prefilled:  # their first token comes with the step's end
+            if entry.first:
+                self._first_token(entry)
         self._finish()
         self._allocator.set_running_requests(len(self._running))
-        return self.sample()
 
     def _first_token(self, entry: _Running) -> None:
         """Record a newly admitted request's first token, or its client's leaving when its
@@ -306,11 +277,15 @@ class EngineSim:
         wait = self._clock - request.arrival_s
         if self._patience_s is None or wait <= self._patience_s + 1e-9:
             self.stats.record_wait(wait, request.arrival_s)
+            self._first_token_s[request.rid] = self._clock
+            if self._observer is not None:
+                self._observer.first_token(request, self._clock)
             return
-        self._running.remove(entry)
-        self._release(entry)
+        self._remove(entry)
         self.stats.abandoned += 1
         self.stats.record_wait(self._patience_s, request.arrival_s)
+        if self._observer is not None:
+            self._observer.gave_up(request, self._clock)
 
     def sample(self) -> EngineSample:
         """The engine's state now."""
@@ -328,16 +303,32 @@ class EngineSim:
         it generated before a preemption, and its next token), or None when nobody waits."""
         return self._admission(self._waiting[0])[1] if self._waiting else None
 
-    def _admission(self, request: Request) -> tuple[int, int]:
+    def _admission(self, request: EngineRequest) -> tuple[int, int]:
         """What admitting ``request`` takes: the tokens it generated before a preemption
         (it recomputes them with its prompt), and the blocks for those, its prompt and its
         next token."""
         done = self._progress.get(request.rid, 0)
         return done, self._blocks_for(request.prompt_tokens + done + 1)
 
+    def overdue(self, cutoff_s: float) -> int:
+        """Requests that arrived before ``cutoff_s`` and were never admitted (queued, or
+        not yet taken in because a step or the GPU kept the engine busy)."""
+        count = 0
+        for request in self._waiting:
+            if request.rid in self._admitted:
+                continue
+            if request.arrival_s >= cutoff_s:
+                return count
+            count += 1
+        for request in self._pending:
+            if request.arrival_s >= cutoff_s:
+                break
+            count += 1
+        return count
+
     def used_blocks(self) -> int:
         """Blocks referenced by running requests (own blocks plus the shared prefix)."""
-        return sum(len(r.blocks) for r in self._running) + self.prefix_cache.in_use_blocks()
+        return self._own_blocks + self.prefix_cache.in_use_blocks()
 
     def _blocks_for(self, tokens: int) -> int:
         return -(-tokens // self._block_tokens)
@@ -354,40 +345,82 @@ class EngineSim:
                 return got
         return None
 
+    # --- running requests ------------------------------------------------------------------
+    def _start_decoding(self, entry: _Running) -> None:
+        """A request whose prompt is computed decodes from the next step on."""
+        entry.joined = self._round
+        self._decoding += 1
+        self._base_sum += entry.base()
+        self._expect_block(entry)
+        finish = entry.request.output_tokens - entry.gen + entry.joined
+        heapq.heappush(self._ends, (finish, entry.number))
+
+    def _expect_block(self, entry: _Running) -> None:
+        """Note the decode round in which ``entry`` next crosses into a new block."""
+        held = len(entry.blocks) + entry.prefix_blocks
+        base = entry.request.prompt_tokens + entry.gen - entry.joined
+        heapq.heappush(self._needs, (held * self._block_tokens - base, entry.number))
+
     def _decode(self) -> tuple[bool, int]:
-        """Grow every running request by one token; returns whether any was preempted,
-        and the tokens decoded."""
+        """Grow every decoding request by one token; returns whether any was preempted,
+        and the tokens decoded. Only the requests that cross into a new block in this
+        round are visited, in admission order."""
+        now = self._round
+        due: list[int] = []
+        while self._needs and self._needs[0][0] <= now:
+            due.append(heapq.heappop(self._needs)[1])
+        due.sort()
         preempted = False
-        index = 0
-        while index < len(self._running):
-            current = self._running[index]
+        for number in due:
+            current = self._running.get(number)
+            if current is None:  # preempted earlier in this round
+                continue
             held = len(current.blocks) + current.prefix_blocks
-            need = self._blocks_for(current.tokens() + 1) - held
+            need = self._blocks_for(current.base() + now + 1) - held
             grown = True
             while need > 0:
                 got = self._alloc(need, running=True)
                 if got is not None:
                     current.blocks.extend(got)
+                    self._own_blocks += len(got)
                     break
-                victim = self._running.pop()
+                _, victim = self._running.popitem()
                 self._preempt(victim)
                 preempted = True
                 if victim is current:
                     grown = False
                     break
             if grown:
-                current.generated += 1
-                index += 1
-        return preempted, index
+                self._expect_block(current)
+        self._round = now + 1
+        return preempted, self._decoding
 
     def _preempt(self, victim: _Running) -> None:
-        self._progress[victim.request.rid] = victim.generated
+        """``victim`` (already out of the running set) goes back to the queue's head. (It
+        is decoding unless its prompt is still being computed in chunks: preemption
+        happens before a step's admissions, after the last step's prefills started to
+        decode.)"""
+        if victim.left:
+            generated = victim.gen - 1  # what it had before this admission; it recomputes
+        else:
+            generated = victim.gen + self._round - victim.joined
+            self._decoding -= 1
+            self._base_sum -= victim.base()
+        self._progress[victim.request.rid] = generated
         self._release(victim)
         self._waiting.appendleft(victim.request)
         self.stats.preemptions += 1
 
+    def _remove(self, entry: _Running) -> None:
+        """Take a decoding ``entry`` out of the running set and free its blocks."""
+        del self._running[entry.number]
+        self._decoding -= 1
+        self._base_sum -= entry.base()
+        self._release(entry)
+
     def _release(self, entry: _Running) -> None:
         self._allocator.free(entry.blocks)
+        self._own_blocks -= len(entry.blocks)
         entry.blocks = []
         if entry.request.prefix_tokens:
             self.prefix_cache.release()
@@ -402,31 +435,58 @@ class EngineSim:
         oldest = next((r for r in self._waiting if r.rid not in self._admitted), None)
         if oldest is None or oldest.arrival_s >= cutoff - 1e-9:
             return
-        kept: deque[Request] = deque()
+        kept: deque[EngineRequest] = deque()
         for request in self._waiting:
             if request.rid in self._admitted or request.arrival_s >= cutoff - 1e-9:
                 kept.append(request)
             else:
                 self.stats.abandoned += 1
                 self.stats.record_wait(self._patience_s, request.arrival_s)
+                if self._observer is not None:
+                    self._observer.gave_up(request, now)
         self._waiting = kept
 
-    def _admit(self, budget: int | None, admitted: list[_Running]) -> int:
+    def _continue_prefills(self, budget: int | None, prefilled: list[_Running]) -> tuple[int, int]:
+        """The next chunks of the prompts being computed, within ``budget``."""
+        computed, attended = 0, 0
+        for entry in self._running.values():
+            if not entry.left:
+                continue
+            room = entry.left if budget is None else min(entry.left, budget - computed)
+            if room <= 0:
+                break
+            entry.left -= room
+            computed += room
+            attended += room * entry.length
+            if not entry.left:
+                prefilled.append(entry)
+        return computed, attended
+
+    def _admit(self, budget: int | None, prefilled: list[_Running]) -> tuple[int, int]:
         """Admit waiting requests in FIFO order while their prompt blocks can be had and
-        the step's token budget lasts; returns the prompt tokens computed. Requests
-        admitted for the first time are appended to ``admitted``."""
-        computed = 0
-        while self._waiting and len(self._running) < self._max_running:
+        the step's token budget lasts; returns the prompt tokens computed and their
+        attended length (see :class:`StepWork`). Admitted requests whose whole prompt is
+        computed in this step are appended to ``prefilled``."""
+        computed, attended = 0, 0
+        chunked = self.limits.chunked_prefill
+        while self._waiting and len(self._running) < self.limits.max_running:
             request = self._waiting[0]
             done, needed = self._admission(request)
             full_prefix = request.prefix_tokens // self._block_tokens
             cached = self.prefix_cache.acquire() if request.prefix_tokens else 0
             cached = min(cached, full_prefix)
-            prompt = request.prompt_tokens + done - cached * self._block_tokens
-            if budget is not None and (budget <= 0 or (computed and computed + prompt > budget)):
-                if request.prefix_tokens:
-                    self.prefix_cache.release()
-                break
+            prompt = max(1, request.prompt_tokens + done - cached * self._block_tokens)
+            chunk = prompt
+            if budget is not None:
+                if chunked:
+                    chunk = min(prompt, budget - computed)
+                    refuse = chunk <= 0
+                else:
+                    refuse = budget <= 0 or bool(computed and computed + prompt > budget)
+                if refuse:
+                    if request.prefix_tokens:
+                        self.prefix_cache.release()
+                    break
             got = self._alloc(needed - cached)
             if got is None:
                 if request.prefix_tokens:
@@ -439,23 +499,45 @@ class EngineSim:
             self._waiting.popleft()
             self._progress.pop(request.rid, None)
             prefix = full_prefix if request.prefix_tokens else 0
-            entry = _Running(request, got, prefix, generated=done + 1)
-            self._running.append(entry)
-            computed += prompt
-            if request.rid not in self._admitted:
-                self._admitted.add(request.rid)
-                admitted.append(entry)
-        return computed
+            length = request.prompt_tokens + done
+            # Its first token is still to come unless it streamed one before a preemption.
+            first = request.rid not in self._first_token_s
+            number = next(self._numbers)
+            entry = _Running(
+                number,
+                request,
+                got,
+                prefix,
+                done + 1,
+                left=prompt - chunk,
+                length=length,
+                first=first,
+            )
+            self._running[number] = entry
+            self._own_blocks += len(got)
+            self._admitted.add(request.rid)
+            computed += chunk
+            attended += chunk * length
+            if not entry.left:
+                prefilled.append(entry)
+        return computed, attended
 
     def _finish(self) -> None:
-        still = []
-        for entry in self._running:
-            if entry.generated >= entry.request.output_tokens:
-                self._release(entry)
-                self.stats.served += 1
-            else:
-                still.append(entry)
-        self._running = still
+        """Serve the requests that produced their last token in this step, in admission
+        order."""
+        done: list[int] = []
+        while self._ends and self._ends[0][0] <= self._round:
+            done.append(heapq.heappop(self._ends)[1])
+        done.sort()
+        for number in done:
+            entry = self._running.get(number)
+            if entry is None:
+                continue
+            self._remove(entry)
+            self.stats.served += 1
+            first = self._first_token_s.pop(entry.request.rid, self._clock)
+            if self._observer is not None:
+                self._observer.finished(entry.request, first, self._clock)
 
     def waits(self) -> tuple[list[float], list[float]]:
         """Queueing delay and arrival time of every arrived request.
@@ -473,7 +555,8 @@ class EngineSim:
 
     def close(self) -> None:
         """Free every block the engine holds (running requests and the prefix cache)."""
-        for entry in self._running:
+        for entry in self._running.values():
             self._release(entry)
-        self._running = []
+        self._running = {}
+        self._decoding = self._base_sum = 0
         self.prefix_cache.evict(self.prefix_cache.cached_blocks())

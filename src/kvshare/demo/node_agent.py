@@ -59,7 +59,9 @@ class NodeAgent:
         policy: str | None = None,
     ) -> NodeAgent:
         run_dir.mkdir(exist_ok=True)
-        broker = run_dir / names.BROKER_SOCKET_NAME
+        # The directory pods would mount (the broker socket) and the agent's own (its admin
+        # socket and restart file) are apart, as the node agent requires.
+        broker = run_dir / "pods" / names.BROKER_SOCKET_NAME
         # The node agent declares fake GPUs of 1 GiB or more: a smaller demo GPU (the real
         # engines' tens of MiB) is a 1 GiB one that keeps the rest back as headroom.
         declared = max(gpu_bytes, GIB)
@@ -77,6 +79,8 @@ class NodeAgent:
             "kvshare-demo",
             "--broker-socket",
             str(broker),
+            "--admin-dir",
+            str(run_dir / "agent"),
             "--metrics-address",
             f":{metrics_port}",
             # No cluster here: no Kubernetes API, and a kubelet directory nobody serves.

@@ -6,13 +6,11 @@ import json
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from kvshare.demo.options import DemoOptions, DemoOutcome
 from kvshare.demo.stats import Comparison
 from kvshare.demo.view import unit_of
-
-if TYPE_CHECKING:
-    from kvshare.demo.orchestrator import DemoOptions, DemoOutcome
 
 __all__ = ["report_lines", "summary_table", "write_results"]
 

@@ -15,14 +15,14 @@ FILE``), so a run can be checked and reproduced. The defaults, and why:
 - ``models = 4``, ``duration_s = 144`` (``cycles = 1``): four models, each busy for one
   36 s window. Four models per GPU is a common multi-tenant layout (and makes a static
   share a quarter of the GPU). The demo runs the trace four times as fast as the wall
-  clock (``kvshare.demo.orchestrator.DEFAULT_SPEED``), so 144 s of trace fit a demo that
+  clock (``kvshare.demo.options.DEFAULT_SPEED``), so 144 s of trace fit a demo that
   must finish within a minute on two cores; the speed-up only ever costs elastic sharing
   (kvshare's own delays keep wall time). Production bursts last minutes; see *What to
   expect* for what shorter windows cost the comparison.
 - ``gpu_memory_bytes = 4 GiB``: the KV memory of the fake GPU (host memory stands in).
 - ``kv_bytes_per_token = 128 KiB``: a Llama-3-8B-class model (32 layers x K and V x 8
   KV heads x 128 head dim x 2 bytes); ``block_tokens = 16``: vLLM's default block size.
-- The engine's step cost (:class:`~kvshare.demo.engine_sim.StepCost`), that of an
+- The engine's step cost (:class:`~kvshare.demo.step_cost.StepCost`), that of an
   8B model in bf16 on a GPU with 800 GB/s of memory bandwidth and 362 dense bf16
   TFLOP/s (an L40S-class card: 864 GB/s, 362 TFLOP/s):
 
@@ -128,7 +128,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from kvshare.demo.engine_sim import StepCost
+from kvshare.demo.step_cost import StepCost
 
 __all__ = [
     "LengthMix",
@@ -203,7 +203,7 @@ class TraceConfig:
     #: Tokens per KV block (vLLM's default block size).
     block_tokens: int = 16
     #: Seconds of one step of the simulated engines whatever its batch (see
-    #: :class:`~kvshare.demo.engine_sim.StepCost`).
+    #: :class:`~kvshare.demo.step_cost.StepCost`).
     step_s: float = 0.02
     #: Seconds per token computed in a step (prompt and decoded tokens).
     step_token_s: float = 88e-6

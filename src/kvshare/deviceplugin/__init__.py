@@ -1,1 +1,1 @@
-"""The node agent: GPU inventory, kubelet device plugin, memory broker, metrics."""
+"""The node agent: inventory, broker/, kubelet/, cluster/ and admin/, wired by agent.py."""

@@ -3,8 +3,13 @@ wired together and started and stopped in order.
 
 Only the inventory, the broker and the metrics endpoint are essential: without them the
 agent does not start. The device plugin waits for a kubelet, and the KVShareNode
-publisher and the pending-pod lookup need a Kubernetes API; each of those says once
-that it is idle and the rest keeps running.
+publisher and the pod watch need a Kubernetes API; each of those says once that it is
+idle and the rest keeps running.
+
+With a Kubernetes API the broker verifies every pool against the pod it runs in (the
+pod watch and the kubelet's PodResources API, :mod:`.pod_directory`), and refuses what
+it cannot verify. Without one (``--no-kube``, or no API configured) nothing can be
+verified and pools are taken at their word, as in the demo.
 """
 
 from __future__ import annotations
@@ -12,18 +17,21 @@ from __future__ import annotations
 import datetime
 import logging
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kvshare.api import names
 from kvshare.api.kube import Condition
+from kvshare.api.priorities import PriorityCeilings
 from kvshare.api.quantity import format_bytes_human
-from kvshare.deviceplugin.audit import Auditor
-from kvshare.deviceplugin.broker import Broker, BrokerConfig
+from kvshare.deviceplugin.admin import private_dir
+from kvshare.deviceplugin.admin.metrics import MetricsServer, NodeMetrics
+from kvshare.deviceplugin.broker.audit import Auditor
+from kvshare.deviceplugin.broker.enforcement import EnforcementConfig, LeaseEnforcer
+from kvshare.deviceplugin.broker.policy import DEFAULT_POLICY
+from kvshare.deviceplugin.broker.server import Broker, BrokerConfig, BrokerLimits
 from kvshare.deviceplugin.inventory import GpuInfo, Inventory, open_inventory
-from kvshare.deviceplugin.metrics import MetricsServer, NodeMetrics
-from kvshare.deviceplugin.policy import DEFAULT_POLICY
 
 __all__ = ["AgentConfig", "NodeAgent"]
 
@@ -36,8 +44,8 @@ class AgentConfig:
 
     node_name: str
     broker_socket: Path
-    admin_socket: Path
-    state_file: Path
+    admin_dir: Path
+    """The agent's own directory (admin socket, restart file): no pod mounts it."""
     fake_gpus: str | None = None
     headroom: int = 512 * 2**20
     slots_per_gpu: int = 8
@@ -59,27 +67,30 @@ class AgentConfig:
     """The named configuration the settings above came from (``None``: no file)."""
     node_config_problem: str = ""
     """Why the node runs the default configuration although its label names another."""
+    pod_resources_socket: Path = Path(names.POD_RESOURCES_SOCKET)
+    limits: BrokerLimits = field(default_factory=BrokerLimits)
+    priority_ceilings: PriorityCeilings = field(default_factory=PriorityCeilings)
+    """The highest KV priority each namespace may use (the chart's ``kvPriority``)."""
+    enforcement: EnforcementConfig = field(default_factory=EnforcementConfig)
+    """How leases are enforced where the device reports per-process memory (NVML)."""
+
+    @property
+    def admin_socket(self) -> Path:
+        """``admin.sock`` in the admin directory."""
+        return self.admin_dir / names.ADMIN_SOCKET_NAME
+
+    @property
+    def state_file(self) -> Path:
+        """The broker's restart file in the admin directory."""
+        return self.admin_dir / names.STATE_FILE_NAME
 
     @classmethod
     def for_broker(
-        cls,
-        node_name: str,
-        broker_socket: Path,
-        *,
-        admin_socket: Path | None = None,
-        state_file: Path | None = None,
-        **options: Any,
+        cls, node_name: str, broker_socket: Path, *, admin_dir: Path, **options: Any
     ) -> AgentConfig:
-        """A config whose admin socket and state file sit next to the broker socket
-        unless given (``admin.sock`` and ``broker.state``)."""
-        run_dir = broker_socket.parent
-        return cls(
-            node_name=node_name,
-            broker_socket=broker_socket,
-            admin_socket=admin_socket or run_dir / names.ADMIN_SOCKET_NAME,
-            state_file=state_file or run_dir / "broker.state",
-            **options,
-        )
+        """A config with its sockets where given (the admin directory apart from the
+        broker socket's, which pods mount)."""
+        return cls(node_name=node_name, broker_socket=broker_socket, admin_dir=admin_dir, **options)
 
 
 def kube_api_client(kubeconfig: str | None) -> Any | None:
@@ -115,6 +126,8 @@ class NodeAgent:
         self._watch: Any = None
         self._publisher: Any = None
         self._pods: Any = None
+        self._directory: Any = None
+        self._api: Any = None
         self._checks: Any = None
         self._stop = threading.Event()
         self._health_thread: threading.Thread | None = None
@@ -133,8 +146,16 @@ class NodeAgent:
 
     def _start(self) -> None:
         config = self.config
+        private_dir.prepare(config.admin_dir, config.broker_socket.parent)
         self.inventory = open_inventory(config.fake_gpus, config.node_name)
         self._gpus = self.inventory.gpus()
+        self._api = kube_api_client(config.kubeconfig) if config.use_kube else None
+        if self._api is None:
+            log.log(
+                logging.WARNING if config.use_kube else logging.INFO,
+                "no Kubernetes API: the broker cannot verify which pod a pool runs in and "
+                "takes pools at their word (use this only outside a cluster)",
+            )
         broker = Broker(
             self._gpus,
             BrokerConfig(
@@ -146,10 +167,14 @@ class NodeAgent:
                 policy=config.broker_policy,
                 turn_hold_s=config.startup_hold_s,
                 recovery_s=config.recovery_s,
+                limits=config.limits,
+                verify=self._api is not None,
             ),
             events=self.metrics,
         )
         self.broker = broker
+        if self._api is not None:
+            self._watch_pods(broker)
         broker.start()
         self.metrics.set_source(broker.view, (g.uuid for g in self._gpus))
         self.metrics_server = MetricsServer(
@@ -157,12 +182,19 @@ class NodeAgent:
         )
         self.metrics_server.start()
         inventory = self.inventory
+        enforce = None
+        if inventory.backend == "cuda":  # NVML tells each process's device memory
+            from kvshare.deviceplugin.lease_enforcement import OveruseHandler
+
+            enforcer = LeaseEnforcer(config.enforcement)
+            enforce = OveruseHandler(enforcer, broker, self.metrics, self._api, config.node_name)
         self._auditor = Auditor(
             broker.view,
             broker.record_audit,
             inventory.backend,
             inventory.process_memory,
             interval_s=config.audit_interval_s,
+            on_findings=enforce,
         )
         self._auditor.start()
         self._start_kube()
@@ -185,14 +217,32 @@ class NodeAgent:
             self.metrics_server.port,
         )
 
+    def _watch_pods(self, broker: Broker) -> None:
+        """The pod watch and the directory the broker verifies pools with (started, the
+        watch with the other Kubernetes parts)."""
+        from kvshare.deviceplugin.cluster.pods import NodePods
+        from kvshare.deviceplugin.kubelet.pod_resources import PodResourcesClient
+        from kvshare.deviceplugin.pod_directory import KubePodDirectory
+
+        config = self.config
+        self._pods = NodePods(self._api, config.node_name, on_pod=self._pod_changed)
+        self._directory = KubePodDirectory(
+            self._pods,
+            PodResourcesClient(config.pod_resources_socket),
+            config.priority_ceilings,
+            broker.pods_changed,
+            config.node_name,
+        )
+        broker.set_pod_directory(self._directory)
+        self._directory.start()
+
     def _start_kube(self) -> None:
         config = self.config
-        api = kube_api_client(config.kubeconfig) if config.use_kube else None
+        api = self._api
         if api is None:
             return
-        from kvshare.deviceplugin.node_checks import NodeChecks, post_node_event, read_node
-        from kvshare.deviceplugin.pods import PendingPods
-        from kvshare.deviceplugin.publisher import KVShareNodePublisher, status_from_view
+        from kvshare.deviceplugin.cluster.node_checks import NodeChecks, post_node_event, read_node
+        from kvshare.deviceplugin.cluster.publisher import KVShareNodePublisher, status_from_view
 
         assert self.broker is not None and self.inventory is not None
         broker, backend = self.broker, self.inventory.backend
@@ -226,18 +276,17 @@ class NodeAgent:
             api, config.node_name, status, self.metrics, interval_s=config.publish_interval_s
         )
         self._publisher.start()
-        self._pods = PendingPods(api, config.node_name, on_pod=self._pod_changed)
         self._pods.start()
 
     def _start_device_plugin(self) -> None:
         try:
-            from kvshare.deviceplugin.plugin import (
+            from kvshare.deviceplugin.kubelet.plugin import (
                 DeviceWatch,
                 GpuMemoryResource,
                 GpuSlotResource,
                 NodeView,
             )
-            from kvshare.deviceplugin.registration import PluginManager
+            from kvshare.deviceplugin.kubelet.registration import PluginManager
         except ImportError as exc:
             # A build without the generated kubelet API stubs: the broker and the metrics
             # still serve (as without a kubelet), but say loudly what is missing.
@@ -276,7 +325,15 @@ class NodeAgent:
         """Stop every part that started, newest first; removes the plugin and broker
         sockets (pools keep their memory and reconnect to the next agent)."""
         self._stop.set()
-        for part in (self._plugins, self._publisher, self._pods, self._checks, self._auditor):
+        parts = (
+            self._plugins,
+            self._publisher,
+            self._pods,
+            self._directory,
+            self._checks,
+            self._auditor,
+        )
+        for part in parts:
             if part is not None:
                 part.stop()
         if self._health_thread is not None:
@@ -288,19 +345,22 @@ class NodeAgent:
         if self.inventory is not None:
             self.inventory.close()
         self._plugins = self._publisher = self._pods = self._checks = self._auditor = None
+        self._directory = None
         self.metrics_server = None
         self.broker = None
         self.inventory = None
 
     def _pod_changed(self, kind: str, pod: Any) -> None:
-        """A pod of this node changed: its annotated KV policy goes to the broker."""
-        from kvshare.deviceplugin.pod_policies import pod_policy
+        """A pod of this node changed: the directory reads it again, its annotated KV
+        policy (within its namespace's priority ceiling) goes to the broker."""
+        from kvshare.deviceplugin.cluster.pod_policies import send_to_broker
 
-        broker = self.broker
+        broker, directory = self.broker, self._directory
         if broker is None:
             return
-        uid, policy = pod_policy(pod)
-        broker.set_pod_policy(uid, None if kind == "DELETED" else policy)
+        uid = send_to_broker(broker, kind, pod, self.config.priority_ceilings)
+        if directory is not None:
+            directory.forget(uid)
 
     def _config_condition(self) -> list[Condition]:
         """``NodeConfigApplied``, when the settings came from a configuration file."""

@@ -4,7 +4,7 @@ backend (``--fake-gpus 2x80Gi``), demos and tests.
 An inventory answers three questions: which GPUs are there (UUID, index, name, total
 memory), which are healthy right now, and how much device memory each process holds on
 a GPU (the audit's view of the truth; the host backend audits memfds instead, see
-:mod:`kvshare.deviceplugin.audit`).
+:mod:`kvshare.deviceplugin.broker.audit`).
 """
 
 from __future__ import annotations

@@ -39,7 +39,19 @@ class StopSignals:
     def wait(self) -> int:
         """Block until a stop signal has arrived (at any time since construction); its
         number. Other signals with a Python handler also reach the socket and are skipped."""
-        while True:
-            signum = self._reader.recv(1)[0]
-            if signum in STOP_SIGNALS:
-                return signum
+        signum = self.wait_for(None)
+        assert signum is not None  # no timeout
+        return signum
+
+    def wait_for(self, timeout: float | None) -> int | None:
+        """:meth:`wait`, for at most ``timeout`` seconds: None when no stop signal came."""
+        self._reader.settimeout(timeout)
+        try:
+            while True:
+                signum = self._reader.recv(1)[0]
+                if signum in STOP_SIGNALS:
+                    return signum
+        except TimeoutError:
+            return None
+        finally:
+            self._reader.settimeout(None)

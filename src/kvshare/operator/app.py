@@ -35,6 +35,7 @@ def serve(config: OperatorConfig, configuration: Configuration) -> int:
         metrics,
         config.retry_delays,
         FailureBackoff(config.replica_backoff),
+        ceilings=config.priority_ceilings,
     )
     endpoint = HttpEndpoint(metrics.registry, config.metrics_port)
     registry = build_registry(config, controller, endpoint, configuration)

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from kvshare.api import env, names
+from kvshare.api.priorities import MAX_PRIORITY, PriorityCeilings, PriorityError
 from kvshare.operator.backoff import BackoffPolicy
 
 PULL_POLICIES = ("IfNotPresent", "Always", "Never")
@@ -69,6 +70,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="how long a replica must stay ready before its failures are forgotten "
         "(default: %(default)g)",
+    )
+    priorities = parser.add_argument_group(
+        "KV priorities",
+        "the highest kvCache.priority each namespace may use (the chart's kvPriority): a "
+        "ModelServer asking for more runs at the ceiling (condition PriorityAllowed=False)",
+    )
+    priorities.add_argument(
+        "--kv-priority-default",
+        default=str(MAX_PRIORITY),
+        metavar="N",
+        help=f"ceiling of every namespace not named (default {MAX_PRIORITY}: none)",
+    )
+    priorities.add_argument(
+        "--kv-priority",
+        action="append",
+        default=[],
+        metavar="NAMESPACE=N",
+        help="ceiling of one namespace (repeatable)",
     )
     peering = parser.add_argument_group("replicas (kopf peering)")
     peering.add_argument(
@@ -139,6 +158,10 @@ def run(args: argparse.Namespace) -> int:
         if missing:
             return _fail(f"--webhook-cert-dir {args.webhook_cert_dir} lacks {', '.join(missing)}")
     try:
+        ceilings = PriorityCeilings.parse_flags(args.kv_priority_default, args.kv_priority)
+    except PriorityError as exc:
+        return _fail(str(exc))
+    try:
         configuration = load_configuration(args.kubeconfig, args.context)
     except NoClusterError as exc:
         return _fail(str(exc))
@@ -159,6 +182,7 @@ def run(args: argparse.Namespace) -> int:
             maximum=max(args.replica_backoff, args.replica_backoff_max),
             reset_after=args.replica_backoff_reset,
         ),
+        priority_ceilings=ceilings,
     )
     from kvshare.operator.app import serve
 

@@ -7,26 +7,30 @@ indexes (:class:`Caches`), never from the event that triggered it, so a run with
 to do makes no API call, and a restarted operator picks up where the last one stopped.
 Runs of one ModelServer are serialized by a :class:`~.keyed.KeyedRunner`. Besides watch
 events, one thing starts a run: the end of a failed replica's back-off (:mod:`.backoff`),
-for which the controller keeps a timer per ModelServer on the event loop.
+for which the controller keeps a timer per ModelServer on the event loop (:mod:`.wakeups`).
+
+What it remembers between runs has modules of its own: the caches it reads
+(:mod:`.caches`), what keeps a spec from being served (:mod:`.validation`), the
+ModelServers held back by a quota (:mod:`.quota_holds`) or waiting for room
+(:mod:`.capacity_waits`), and the KV-policy annotation written into pods
+(:mod:`.kv_annotation`).
 """
 
 from __future__ import annotations
 
-import asyncio
 import datetime
 import logging
 import time
-from collections.abc import Callable, Collection, Iterable, Mapping
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import replace
 from typing import Any
 
-from kvshare.api import names
-from kvshare.api.kube import SpecError, validate
-from kvshare.api.modelserver import EngineVersionError, ModelServerSpec
-from kvshare.api.placement import Placement
+from kvshare.api.modelserver import ModelServerSpec
+from kvshare.api.priorities import PriorityCeilings
 from kvshare.api.quantity import format_bytes_human
 from kvshare.operator.backoff import FailureBackoff, ReplicaFailures
-from kvshare.operator.capacity import Capacity, build_capacity, group_of
+from kvshare.operator.caches import Caches
+from kvshare.operator.capacity_waits import CapacityWaits, cluster_capacity, kv_capacity
 from kvshare.operator.client import (
     ApiError,
     KubeApi,
@@ -37,16 +41,16 @@ from kvshare.operator.client import (
 from kvshare.operator.expectations import Expectations
 from kvshare.operator.inplace import (
     ReplicaPolicy,
-    WantedPolicy,
-    pods_to_annotate,
     refused_replicas,
     replica_policies,
     wanted_policy,
 )
 from kvshare.operator.keyed import KeyedRunner
+from kvshare.operator.kv_annotation import KVAnnotations
 from kvshare.operator.metrics import ModelServerSample, OperatorMetrics
 from kvshare.operator.plan import Create, Delete, Plan, desired_replicas, plan_replicas
-from kvshare.operator.quota import QuotaRefusal, QuotaView, quota_refusal
+from kvshare.operator.quota import quota_refusal
+from kvshare.operator.quota_holds import QuotaHolds
 from kvshare.operator.render import (
     RuntimeImage,
     endpoint,
@@ -66,110 +70,26 @@ from kvshare.operator.status import (
     placement_events,
     with_problem,
 )
-from kvshare.operator.views import (
-    GpuNodeView,
-    ModelServerKey,
-    ModelServerRef,
-    NodeView,
-    PodView,
-    pod_view,
+from kvshare.operator.validation import (
+    cap_priority,
+    missing_refs,
+    names_in_colocation_rules,
+    raw_replicas,
+    validate_modelserver,
 )
+from kvshare.operator.views import ModelServerKey, ModelServerRef, NodeView, PodView, pod_view
+from kvshare.operator.wakeups import WakeUps
 
-__all__ = ["MAX_NAME_LENGTH", "Caches", "Controller", "EventSink"]
+__all__ = ["Controller", "EventSink"]
 
 log = logging.getLogger(__name__)
-
-#: Longest ModelServer name: pod "<name>-<replica>" (replica < 1024) and the Service
-#: named after it must stay valid DNS labels (63 characters).
-MAX_NAME_LENGTH = 58
 
 #: Posts a Kubernetes Event about a ModelServer.
 EventSink = Callable[[ModelServerRef, Event], None]
 
 
-@dataclass(frozen=True)
-class Caches:
-    """Read-only views of the cluster, kept current by kopf's indexes (key -> values)."""
-
-    modelservers: Mapping[ModelServerKey, Collection[ModelServerRef]]
-    pods: Mapping[ModelServerKey, Collection[PodView]]
-    pods_by_node: Mapping[str, Collection[ModelServerKey]]
-    nodes: Mapping[str, Collection[NodeView]]
-    gpu_nodes: Mapping[str, Collection[GpuNodeView]]
-    quotas: Mapping[tuple[str, str], Collection[QuotaView]]
-    """ResourceQuotas by (namespace, name)."""
-
-    def modelserver(self, key: ModelServerKey) -> ModelServerRef | None:
-        return next(iter(self.modelservers.get(key, ())), None)
-
-    def node_views(self) -> dict[str, NodeView]:
-        return {name: view for name, views in self.nodes.items() for view in views}
-
-    def gpu_node_views(self) -> list[GpuNodeView]:
-        return [view for views in self.gpu_nodes.values() for view in views]
-
-    def all_pods(self) -> list[PodView]:
-        return [pod for pods in self.pods.values() for pod in pods]
-
-    def quota(self, namespace: str, name: str) -> QuotaView | None:
-        return next(iter(self.quotas.get((namespace, name), ())), None)
-
-
 def _now() -> str:
     return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def _validate(ms: ModelServerRef) -> tuple[ModelServerSpec | None, Problem | None]:
-    """The spec, or the problem that keeps it from being served."""
-    try:
-        spec = validate(ModelServerSpec, ms.spec, kind="ModelServer spec")
-    except SpecError as exc:
-        return None, Problem("InvalidSpec", "; ".join(exc.problems))
-    if len(ms.name) > MAX_NAME_LENGTH:
-        return spec, Problem(
-            "NameTooLong",
-            f"the name has {len(ms.name)} characters; at most {MAX_NAME_LENGTH} fit in the "
-            "names of its pods and Service: recreate it with a shorter name",
-        )
-    try:
-        spec.engine_version_resolved()
-    except EngineVersionError as exc:
-        return spec, Problem("UnsupportedEngineVersion", str(exc))
-    return spec, None
-
-
-def _missing_refs(
-    ms: ModelServerRef, spec: ModelServerSpec, caches: Caches
-) -> dict[str, list[str]]:
-    """The ModelServers ``spec``'s colocation rules name that do not exist, by field."""
-    missing = {}
-    for field, named in (
-        ("colocateWith", spec.colocate_with),
-        ("avoidColocationWith", spec.avoid_colocation_with),
-    ):
-        absent = []
-        for name in named:
-            other = caches.modelserver((ms.namespace, name))
-            if other is None or other.deleting:
-                absent.append(name)
-        if absent:
-            missing[field] = absent
-    return missing
-
-
-def _names_in_colocation_rules(ms: ModelServerRef) -> set[str]:
-    named: set[str] = set()
-    for field in ("colocateWith", "avoidColocationWith"):
-        value = ms.spec.get(field)
-        if isinstance(value, list):
-            named.update(n for n in value if isinstance(n, str))
-    return named
-
-
-def _raw_replicas(ms: ModelServerRef) -> int:
-    """The replica count of a spec that did not validate, when it is readable at all."""
-    replicas = ms.spec.get("replicas", 1)
-    return replicas if isinstance(replicas, int) and replicas >= 0 else 0
 
 
 def _status_patch(previous: Mapping[str, Any], status: Mapping[str, Any]) -> dict[str, Any]:
@@ -190,8 +110,11 @@ class Controller:
         metrics: OperatorMetrics,
         retry_delays: Iterable[float] = (0.5, 1, 2, 5, 10, 30),
         backoff: FailureBackoff | None = None,
+        *,
+        ceilings: PriorityCeilings | None = None,
     ) -> None:
         self.api = api
+        self.ceilings = ceilings or PriorityCeilings()
         self.runtime = runtime
         self.metrics = metrics
         self.expectations = Expectations()
@@ -205,18 +128,10 @@ class Controller:
         self._services: dict[ModelServerKey, dict[str, Any]] = {}
         # The status last written: newer than the index until the watch event arrives.
         self._statuses: dict[ModelServerKey, dict[str, Any]] = {}
-        self._waiting_for_capacity: set[ModelServerKey] = set()
-        # The KV-policy annotation last written, and the pods (by uid) given it.
-        self._annotated: dict[ModelServerKey, tuple[str, set[str]]] = {}
-        # The last pod refused for an exhausted namespace quota while replicas are missing,
-        # and the quota as the watch showed it then: no pod is created for the ModelServer
-        # until the quota changes and has room for it.
-        self._quota_waits: dict[ModelServerKey, tuple[QuotaRefusal, QuotaView | None]] = {}
-        self._node_views: dict[str, NodeView] = {}
-        # A reconcile due when a held-back replica may be replaced: nothing else may happen
-        # to the ModelServer until then, so no watch event would bring it.
-        self._wake_ups: dict[ModelServerKey, asyncio.TimerHandle] = {}
-        self._woken: set[asyncio.Task[None]] = set()
+        self._capacity_waits = CapacityWaits()
+        self._annotations = KVAnnotations()
+        self._quota_holds = QuotaHolds()
+        self._wake_ups = WakeUps(self.runner.request)
 
     # --- entry points (called by the kopf handlers) --------------------------------
 
@@ -236,20 +151,17 @@ class Controller:
         self.expectations.forget(key)
         self._services.pop(key, None)
         self._statuses.pop(key, None)
-        self._waiting_for_capacity.discard(key)
-        self._quota_waits.pop(key, None)
-        self._annotated.pop(key, None)
+        self._capacity_waits.forget(key)
+        self._quota_holds.forget(key)
+        self._annotations.forget(key)
         self.backoff.forget(key)
-        self._wake_later(key, None)
+        self._wake_ups.later(key, None)
         self.metrics.forget(key)
         log.info("forgot ModelServer %s/%s", *key)
 
     def close(self) -> None:
         """The operator stops: drop the reconciles due later."""
-        for key in list(self._wake_ups):
-            self._wake_later(key, None)
-        for task in list(self._woken):
-            task.cancel()
+        self._wake_ups.close()
 
     def affected_by_modelserver(
         self, event: str | None, key: ModelServerKey, caches: Caches
@@ -265,7 +177,7 @@ class Controller:
                     for ref in refs
                     if ref.namespace == namespace
                     and ref.key != key
-                    and name in _names_in_colocation_rules(ref)
+                    and name in names_in_colocation_rules(ref)
                 )
         return keys
 
@@ -276,29 +188,22 @@ class Controller:
         GPU room is free again) those waiting for capacity."""
         keys = {(namespace, modelserver)} if namespace and modelserver else set()
         if event == "DELETED":
-            keys |= self._waiting_for_capacity
+            keys |= self._capacity_waits.waiting()
         return keys
 
     def affected_by_gpu_node(self, node: str, caches: Caches) -> set[ModelServerKey]:
         """ModelServers a KVShareNode change matters to: those with pods on the node
         (their KV usage) and those waiting for capacity."""
-        return set(caches.pods_by_node.get(node, ())) | self._waiting_for_capacity
+        return set(caches.pods_by_node.get(node, ())) | self._capacity_waits.waiting()
 
     def affected_by_quota(self, namespace: str | None, name: str) -> set[ModelServerKey]:
         """ModelServers a ResourceQuota change matters to: those refused by it."""
-        return {
-            key
-            for key, (refusal, _) in self._quota_waits.items()
-            if key[0] == namespace and refusal.quota == name
-        }
+        return self._quota_holds.affected(namespace, name)
 
     def affected_by_node(self, view: NodeView) -> set[ModelServerKey]:
         """ModelServers a Node change matters to: those waiting for capacity, and only
         when what placement reads (labels, taints, cordon) changed."""
-        if self._node_views.get(view.name) == view:
-            return set()
-        self._node_views[view.name] = view
-        return set(self._waiting_for_capacity)
+        return self._capacity_waits.node_changed(view)
 
     # --- one reconcile -------------------------------------------------------------
 
@@ -320,7 +225,10 @@ class Controller:
     async def _reconcile(self, ms: ModelServerRef, caches: Caches) -> None:
         pods = self.expectations.overlay(caches.pods.get(ms.key, ()), ms.key)
         previous = self._statuses.get(ms.key, ms.status)
-        spec, problem = _validate(ms)
+        spec, problem = validate_modelserver(ms)
+        capped: str | None = None
+        if spec is not None:
+            spec, capped = cap_priority(ms, spec, self.ceilings)
         events: list[Event] = []
         plan = None
         failures = ReplicaFailures()
@@ -339,20 +247,20 @@ class Controller:
             plan = plan_replicas(
                 desired_replicas(ms.namespace, ms.name, spec, template),
                 pods,
-                lambda: self._capacity(caches),
+                lambda: cluster_capacity(caches, self.expectations),
                 failures.held,
                 refused_replicas(replica_policies(pods, pools, wanted)),
             )
-            plan = self._hold_for_quota(ms.key, plan, caches)
+            plan = self._quota_holds.hold(ms.key, plan, caches)
             self._count_placements(plan)
             pods, problem = await self._execute(ms, spec, plan, pods, events)
             problem = await self._ensure_service(ms, spec) or problem
-            await self._annotate(ms, pods, wanted, events)
+            await self._annotations.annotate(self.api, ms, pods, wanted, events)
             policies = replica_policies(pods, pools, wanted)
-        refused = self._quota_waits.get(ms.key, (None, None))[0]
+        refused = self._quota_holds.refusal(ms.key)
         observation = Observation(
             generation=ms.generation,
-            desired=spec.replicas if spec is not None else _raw_replicas(ms),
+            desired=spec.replicas if spec is not None else raw_replicas(ms),
             pods=pods,
             plan=plan,
             problem=problem,
@@ -363,11 +271,12 @@ class Controller:
             selector=selector_string(pod_selector(ms)),
             failing=failures.failing,
             namespace=ms.namespace,
-            missing_refs=_missing_refs(ms, spec, caches) if spec is not None else None,
+            missing_refs=missing_refs(ms, spec, caches) if spec is not None else None,
+            priority_capped=capped,
         )
         status = compute_status(observation, previous, _now())
-        self._track_capacity_wait(ms.key, plan)
-        self._wake_later(ms.key, failures.wake_in)
+        self._capacity_waits.track(ms.key, plan)
+        self._wake_ups.later(ms.key, failures.wake_in)
         events += condition_events(previous.get("conditions") or [], status["conditions"])
         events += placement_events(previous.get("placements") or [], status["placements"])
         events += self._scale_event(previous, spec)
@@ -391,107 +300,11 @@ class Controller:
             log.info("%s/%s: %s: %s", ms.namespace, ms.name, event.reason, event.message)
             self._emit(ms, event)
 
-    async def _annotate(
-        self, ms: ModelServerRef, pods: list[PodView], wanted: WantedPolicy, events: list[Event]
-    ) -> None:
-        """Write the current KV policy into the pods that do not carry it: the node agent
-        applies it to their pools in place."""
-        # Pods patched already, until the watch shows the annotation: not patched twice.
-        done = self._annotated.get(ms.key)
-        if done is None or done[0] != wanted.annotation:
-            done = self._annotated[ms.key] = (wanted.annotation, set())
-        done[1].difference_update(p.uid for p in pods if p.kv_policy == wanted.annotation)
-        stale = [p for p in pods_to_annotate(pods, wanted) if p.uid not in done[1]]
-        patch = {"metadata": {"annotations": {names.ANNOTATION_KV_POLICY: wanted.annotation}}}
-        patched = []
-        for pod in stale:
-            if await self.api.merge_patch(pods_path(ms.namespace, pod.name), patch) is not None:
-                done[1].add(pod.uid)
-                patched.append(pod.name)
-        if patched:
-            events.append(
-                Event(
-                    "Normal",
-                    "KVPolicyChanged",
-                    f"applying kvCache {wanted.description} in place to {len(patched)} "
-                    f"replica(s): {', '.join(patched[:5])}",
-                )
-            )
-
-    def _kv_capacity(
-        self, caches: Caches, spec: ModelServerSpec, placement: Placement
-    ) -> int | None:
-        """The most KV cache per worker the replica's GPUs could ever lend it (the pool's
-        virtual size, up to which kvCache.max can be raised in place)."""
-        usable = [
-            gpu.total - gpu.headroom
-            for view in caches.gpu_node_views()
-            if view.node == placement.node
-            for gpu in view.status.gpus
-            if gpu.uuid in placement.gpus
-        ]
-        if len(usable) != len(placement.gpus) or not usable:
-            return None
-        return max(min(usable) - spec.static_bytes_per_worker(), spec.kv_cache.min)
-
-    def _capacity(self, caches: Caches) -> Capacity:
-        avoid = {}
-        for refs in caches.modelservers.values():
-            for ref in refs:
-                names_ = ref.spec.get("avoidColocationWith") or []
-                avoid[group_of(ref.namespace, ref.name)] = frozenset(
-                    group_of(ref.namespace, n) for n in names_
-                )
-        return build_capacity(
-            caches.node_views(),
-            caches.gpu_node_views(),
-            self.expectations.overlay(caches.all_pods()),
-            avoid,
-        )
-
-    def _hold_for_quota(self, key: ModelServerKey, plan: Plan, caches: Caches) -> Plan:
-        """``plan`` without its creates while the quota that refused the last one still
-        has no room for it; a quota change brings the next try (never a loop)."""
-        wait = self._quota_waits.get(key)
-        if wait is None:
-            return plan
-        if not plan.creates:  # nothing missing any more: nothing waits for quota
-            del self._quota_waits[key]
-            return plan
-        refusal, seen = wait
-        quota = caches.quota(key[0], refusal.quota)
-        if quota != seen and (quota is None or quota.has_room(refusal)):
-            return plan  # try again; a refusal with the new numbers holds it back again
-        return replace(plan, creates=())
-
-    def _wake_later(self, key: ModelServerKey, delay: float | None) -> None:
-        """Reconcile ``key`` again in ``delay`` seconds (``None``: not on a timer)."""
-        handle = self._wake_ups.pop(key, None)
-        if handle is not None:
-            handle.cancel()
-        if delay is not None:
-            # A little late rather than early: the run must find the delay passed.
-            self._wake_ups[key] = asyncio.get_running_loop().call_later(
-                delay + 0.05, self._wake, key
-            )
-
-    def _wake(self, key: ModelServerKey) -> None:
-        self._wake_ups.pop(key, None)
-        task = asyncio.ensure_future(self.runner.request(key))
-        self._woken.add(task)
-        task.add_done_callback(self._woken.discard)
-
     def _count_placements(self, plan: Plan) -> None:
         if plan.creates:
             self.metrics.placements.labels(result="placed").inc(len(plan.creates))
         if plan.unplaced:
             self.metrics.placements.labels(result="unschedulable").inc(len(plan.unplaced))
-
-    def _track_capacity_wait(self, key: ModelServerKey, plan: Plan | None) -> None:
-        if plan is not None and (plan.unplaced or plan.too_large):
-            self._waiting_for_capacity.add(key)
-        else:
-            self._waiting_for_capacity.discard(key)
 
     async def _execute(
         self,
@@ -513,7 +326,7 @@ class Controller:
                 placement=create.placement,
                 template=template,
                 runtime=self.runtime,
-                kv_capacity=(self._kv_capacity(caches, spec, create.placement) if caches else None),
+                kv_capacity=(kv_capacity(caches, spec, create.placement) if caches else None),
             )
             for create in plan.creates
         ]
@@ -540,12 +353,12 @@ class Controller:
                     if refusal is not None:
                         # The other replicas would meet the same quota: stop here.
                         seen = caches.quota(ms.namespace, refusal.quota) if caches else None
-                        self._quota_waits[ms.key] = (refusal, seen)
+                        self._quota_holds.refused(ms.key, refusal, seen)
                         return list(current.values()), None
                     return list(current.values()), Problem(
                         "PodRejected", f"the API server refused pod {name}: {exc.message}"
                     )
-                self._quota_waits.pop(ms.key, None)
+                self._quota_holds.created(ms.key)
                 view = pod_view(created if created is not None else body)
                 if view is None:
                     continue

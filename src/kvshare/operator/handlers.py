@@ -27,8 +27,9 @@ from typing import TYPE_CHECKING, Any, cast
 import kopf
 
 from kvshare.api import names
+from kvshare.operator.caches import Caches
 from kvshare.operator.connection import connection_info
-from kvshare.operator.controller import Caches, Controller
+from kvshare.operator.controller import Controller
 from kvshare.operator.quota import QuotaView
 from kvshare.operator.server import HttpEndpoint
 from kvshare.operator.settings import OperatorConfig

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvshare.api import names
+from kvshare.api.priorities import PriorityCeilings
 from kvshare.operator.backoff import BackoffPolicy
 from kvshare.operator.render import RuntimeImage
 
@@ -67,6 +68,8 @@ class OperatorConfig:
     """Seconds between retries of a failed reconcile."""
     replica_backoff: BackoffPolicy = field(default_factory=BackoffPolicy)
     """How long a replica whose pods keep failing waits before its next pod."""
+    priority_ceilings: PriorityCeilings = field(default_factory=PriorityCeilings)
+    """The highest kvCache.priority each namespace may use (the chart's ``kvPriority``)."""
 
 
 def configure_kopf(settings: kopf.OperatorSettings, config: OperatorConfig) -> None:

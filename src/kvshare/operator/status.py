@@ -43,7 +43,7 @@ __all__ = [
     "with_problem",
 ]
 
-CONDITION_TYPES = ("Placed", "Ready", "Progressing", "Degraded", "ResolvedRefs")
+CONDITION_TYPES = ("Placed", "Ready", "Progressing", "Degraded", "ResolvedRefs", "PriorityAllowed")
 #: Most pod names listed in one message.
 _MAX_NAMES = 5
 
@@ -90,6 +90,9 @@ class Observation:
     missing_refs: Mapping[str, Sequence[str]] | None = field(default_factory=dict)
     """ModelServers named by a spec field that do not exist, by field (``None``: the spec
     could not be read)."""
+    priority_capped: str | None = ""
+    """Why its KV priority was capped to its namespace's ceiling ("": it was not;
+    ``None``: the spec could not be read)."""
 
 
 def kv_usage(pools: Sequence[PoolStatus]) -> KVUsage:
@@ -229,6 +232,14 @@ def _resolved_refs(obs: Observation) -> tuple[str, str, str]:
     )
 
 
+def _priority_allowed(obs: Observation) -> tuple[str, str, str]:
+    if obs.priority_capped is None:
+        return "Unknown", "SpecNotServable", "the spec cannot be read (see Degraded)"
+    if obs.priority_capped:
+        return "False", "PriorityCapped", obs.priority_capped
+    return "True", "WithinCeiling", "kvCache.priority is within what the namespace may use"
+
+
 def _conditions(
     previous: Sequence[Mapping[str, Any]],
     values: Mapping[str, tuple[str, str, str]],
@@ -295,6 +306,7 @@ def compute_status(obs: Observation, previous: Mapping[str, Any], now: str) -> d
         "Progressing": _progressing(obs, serving, was_rolling),
         "Degraded": _degraded(obs),
         "ResolvedRefs": _resolved_refs(obs),
+        "PriorityAllowed": _priority_allowed(obs),
     }
     conditions = _conditions(previous.get("conditions") or [], values, obs.generation, now)
     ready = sum(p.ready for p in serving)
@@ -342,7 +354,12 @@ def condition_events(
     reason or message changes (so an unchanged problem is not repeated on every
     reconcile); becoming ready once.
     """
-    bad = {"Placed": "False", "Degraded": "True", "ResolvedRefs": "False"}
+    bad = {
+        "Placed": "False",
+        "Degraded": "True",
+        "ResolvedRefs": "False",
+        "PriorityAllowed": "False",
+    }
     before = {c.get("type"): c for c in previous}
     now = {c.get("type"): c for c in current}
     events = []

@@ -42,6 +42,24 @@ def injection_for(pod: Mapping[str, Any], runtime: RuntimeImage) -> Injection:
         )
     injected = inject_runtime(pod, runtime, targets)["spec"]
     original = pod.get("spec") or {}
+    warnings: tuple[str, ...] = ()
+    if not _requests_gpu_memory(pod):
+        warnings = (
+            f"no container requests {names.RESOURCE_GPU_MEMORY}: the node agent admits a pool "
+            "only within its pod's request (its static memory and kv min); request the GiB "
+            "your engine needs per GPU",
+        )
     return Injection(
-        spec={k: injected[k] for k in INJECTED_FIELDS if injected.get(k) != original.get(k)}
+        spec={k: injected[k] for k in INJECTED_FIELDS if injected.get(k) != original.get(k)},
+        warnings=warnings,
     )
+
+
+def _requests_gpu_memory(pod: Mapping[str, Any]) -> bool:
+    for container in (pod.get("spec") or {}).get("containers") or ():
+        resources = container.get("resources") or {}
+        if any(
+            names.RESOURCE_GPU_MEMORY in (resources.get(k) or {}) for k in ("requests", "limits")
+        ):
+            return True
+    return False

@@ -464,6 +464,16 @@ class KVPool:
                 self._limit.ask(desired)
             self._reporter.report(self.snapshot().usage(), force=changed)
 
+    def maintenance_due(self) -> bool:
+        """Whether something woke the pool's background thread since the last call (a
+        lease change, a reserve running low, freed pages to unmap, a step whose fenced
+        pages are due); clears it. For a caller that drives a pool without its thread
+        (``background=False``) the way the thread would: a :meth:`maintain` pass when woken
+        and on the report timer."""
+        due = self._wake.is_set()
+        self._wake.clear()
+        return due
+
     def _rebalance(self) -> bool:
         """Drop ready pages beyond the lease or the reserve, or refill the reserve within the
         lease. Whether anything changed."""

@@ -73,9 +73,7 @@ def build_and_check(scratch: Path) -> dict[str, object]:
     )
     supported = [x.name for x in get_supported_kv_cache_layouts([FlashAttentionBackend])]
     layout = core.resolve_kv_cache_layout(vllm_config, [supported], [spec] * len(LAYERS))
-    config = get_kv_cache_config_from_groups(
-        vllm_config, [KVCacheGroupSpec(LAYERS, spec)], VIRTUAL
-    )
+    config = get_kv_cache_config_from_groups(vllm_config, [KVCacheGroupSpec(LAYERS, spec)], VIRTUAL)
     config.kv_cache_layout = layout.name  # as the engine core records it
     group = vllm_common.Group(f"blockouter-{os.getpid()}", 1)
     with vllm_common.worker_context(group, 0, supported, "FLASH_ATTN supports any layout"):

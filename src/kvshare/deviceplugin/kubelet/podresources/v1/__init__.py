@@ -1,0 +1,1 @@
+"""Generated stubs of the kubelet's PodResources API v1 (``make proto``)."""

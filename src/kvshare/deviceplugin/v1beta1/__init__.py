@@ -1,3 +1,0 @@
-"""Stubs of the kubelet device plugin API v1beta1, generated from ``api.proto`` by
-:mod:`kvshare.deviceplugin.protogen` (``make proto``); import them through
-:mod:`kvshare.deviceplugin.kubelet_api`."""
