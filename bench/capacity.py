@@ -24,12 +24,13 @@ Everything runs in simulated time on the twin's clock: the same numbers on any m
 from __future__ import annotations
 
 import logging
-import math
 import statistics
 import time
 from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
 from typing import Any
 
+from capacity_report import gain_share, gain_shares, markdown, plot_families, ratio
 from harness import Result, Target
 from kvshare.deviceplugin.broker.policy import DEFAULT_POLICY, POLICIES
 from kvshare.twin import families
@@ -40,13 +41,16 @@ from kvshare.twin.worlds import TwinOptions, world_names
 SEEDS = (0, 1, 2)
 CLASSES = families.MODEL_CLASSES
 GPU = "h200_sxm"
-PRECISION = 0.03
+PRECISION = 0.015
 WORKERS = 2
 FLEET = 48
+#: The repository, and where a full run draws its plots (one per family).
+ROOT = Path(__file__).resolve().parents[1]
+PLOTS = ROOT / "docs" / "img"
 #: --quick: these families at seed 0, a shorter run, a coarser precision.
 QUICK_FAMILIES = ("fleet-onoff", "long-context")
 QUICK_DURATION_S = 120.0
-QUICK_PRECISION = 0.06
+QUICK_PRECISION = 0.03
 #: The targets on the default policy (per model class).
 AT_LEAST_STATIC = 0.98
 AT_LEAST_FIRST_COME = 0.98
@@ -113,56 +117,6 @@ def _models_per_gpu(job: tuple[str, str, float | None]) -> dict[str, Any]:
     return {"family": family, "class": model_class, "models": found}
 
 
-def _gain(row: dict[str, Any], policy: str) -> float | None:
-    scales = row["scales"]
-    static, bound = scales["static"], scales["pooled-bound"]
-    if bound <= static:
-        return None
-    return (scales[f"kvshare:{policy}"] - static) / (bound - static)
-
-
-def _ratio(row: dict[str, Any], world: str, baseline: str) -> float:
-    base = row["scales"][baseline]
-    return row["scales"][world] / base if base else math.inf
-
-
-def print_table(rows: list[dict[str, Any]], placements: list[dict[str, Any]]) -> None:
-    """The suite as a person reads it: one row per workload, worlds as columns."""
-    worlds = _worlds()
-    names = {w: w.replace("kvshare:", "") for w in worlds}
-    head = f"{'workload':<28} {'req':>5} " + " ".join(f"{names[w]:>11}" for w in worlds)
-    head += f" {'kv/static':>9} {'kv/first':>8} {'gain':>6}"
-    print(head)
-    for row in rows:
-        line = f"{row['workload']:<28} {row['requests']:>5} "
-        line += " ".join(f"{row['scales'][w]:>11.3f}" for w in worlds)
-        gain = _gain(row, DEFAULT_POLICY)
-        line += f" {_ratio(row, f'kvshare:{DEFAULT_POLICY}', 'static'):>9.3f}"
-        line += f" {_ratio(row, f'kvshare:{DEFAULT_POLICY}', 'first-come'):>8.3f}"
-        line += f" {'-' if gain is None else f'{gain:.2f}':>6}"
-        print(line)
-    print(f"(capacity: the largest load scale meeting the SLO; kv: kvshare:{DEFAULT_POLICY})")
-    layered = [row for row in rows if row["per_layer"]]
-    if layered:
-        kv = f"kvshare:{DEFAULT_POLICY}"
-        head = f"{'pages: per-layer / block-outer':<28} {'first-come':>11} {'kvshare':>11}"
-        print(f"\n{head} {'gain':>6}")
-        for row in layered:
-            gain = _gain({"scales": {**row["scales"], kv: row["per_layer"][kv]}}, DEFAULT_POLICY)
-            print(
-                f"{row['workload']:<28} "
-                f"{row['per_layer']['first-come'] / row['scales']['first-come']:>11.3f} "
-                f"{row['per_layer'][kv] / row['scales'][kv]:>11.3f} "
-                f"{'-' if gain is None else f'{gain:.2f}':>6}"
-            )
-    if placements:
-        print(f"\n{'models per GPU':<28} " + " ".join(f"{names[w]:>11}" for w in worlds))
-        for entry in placements:
-            label = f"{entry['family']}-{entry['class']}"
-            print(f"{label:<28} " + " ".join(f"{entry['models'][w]:>11}" for w in worlds))
-        print(f"(GPUs for a fleet of {FLEET} such models: {FLEET} / models per GPU, rounded up)")
-
-
 def summarise(rows: list[dict[str, Any]], placements: list[dict[str, Any]]) -> dict[str, Any]:
     """The summary fields: per model class and kvshare policy, the targets' quantities."""
     fields: dict[str, Any] = {"workloads": len(rows)}
@@ -173,18 +127,12 @@ def summarise(rows: list[dict[str, Any]], placements: list[dict[str, Any]]) -> d
         for policy in sorted(POLICIES):
             world = f"kvshare:{policy}"
             key = f"{model_class}.{policy}"
-            gains = [g for g in (_gain(r, policy) for r in mine) if g is not None]
-            binding = [
-                g
-                for r in mine
-                if (g := _gain(r, policy)) is not None
-                and r["scales"]["pooled-bound"] >= BOUND_GAINS * r["scales"]["static"]
-            ]
+            gains, binding = gain_shares(mine, world, BOUND_GAINS)
             fields[f"kvshare_over_static_min.{key}"] = round(
-                min(_ratio(r, world, "static") for r in mine), 3
+                min(ratio(r["scales"], world, "static") for r in mine), 3
             )
             fields[f"kvshare_over_first_come_min.{key}"] = round(
-                min(_ratio(r, world, "first-come") for r in mine), 3
+                min(ratio(r["scales"], world, "first-come") for r in mine), 3
             )
             fields[f"gain_share_median.{key}"] = (
                 round(statistics.median(gains), 3) if gains else 1.0
@@ -192,10 +140,10 @@ def summarise(rows: list[dict[str, Any]], placements: list[dict[str, Any]]) -> d
             fields[f"gain_share_min_bound_10pct.{key}"] = round(min(binding), 3) if binding else 1.0
             fields[f"workloads_bound_10pct.{key}"] = len(binding)
         fields[f"bound_over_static_median.{model_class}"] = round(
-            statistics.median(_ratio(r, "pooled-bound", "static") for r in mine), 3
+            statistics.median(ratio(r["scales"], "pooled-bound", "static") for r in mine), 3
         )
         fields[f"first_come_over_bound_min.{model_class}"] = round(
-            min(_ratio(r, "first-come", "pooled-bound") for r in mine), 3
+            min(ratio(r["scales"], "first-come", "pooled-bound") for r in mine), 3
         )
     kv = f"kvshare:{DEFAULT_POLICY}"
     for model_class in CLASSES:
@@ -208,8 +156,7 @@ def summarise(rows: list[dict[str, Any]], placements: list[dict[str, Any]]) -> d
         gains = [
             g
             for r in layered
-            if (g := _gain({"scales": {**r["scales"], kv: r["per_layer"][kv]}}, DEFAULT_POLICY))
-            is not None
+            if (g := gain_share({**r["scales"], kv: r["per_layer"][kv]}, kv)) is not None
         ]
         fields[f"per_layer_gain_share_median.{model_class}.{DEFAULT_POLICY}"] = (
             round(statistics.median(gains), 3) if gains else 1.0
@@ -252,7 +199,19 @@ def measure(quick: bool) -> Result:
         placing = [pool.submit(_models_per_gpu, job) for job in placement_jobs]
         rows = list(pool.map(_one_workload, jobs))
         placements = [future.result() for future in placing]
-    print_table(rows, placements)
+    # Plots only from a full run: a quick one is for development, not for the docs.
+    plots = [] if quick else plot_families(rows, _worlds(), PLOTS, ROOT)
+    tables = markdown(
+        rows,
+        placements,
+        worlds=_worlds(),
+        kvshare=f"kvshare:{DEFAULT_POLICY}",
+        bound_gains=BOUND_GAINS,
+        fleet=FLEET,
+        fleet_gpus=fleet_gpus,
+        plots=plots,
+    )
+    print(tables)
     fields = summarise(rows, placements)
     fields["runs"] = sum(r["runs"] for r in rows)
     fields["wall_s"] = round(time.perf_counter() - started, 1)
@@ -261,6 +220,8 @@ def measure(quick: bool) -> Result:
         name="capacity",
         fields=fields,
         targets=_targets(),
+        tables=tables,
+        detail_prefixes=("scales.", "models_per_gpu.", "fleet_gpus."),
         notes=(
             f"{len(rows)} workloads: {', '.join(chosen)} x {', '.join(CLASSES)} models x "
             f"seeds {', '.join(map(str, seeds))} on one {GPU}, default SLO; every world's "

@@ -38,11 +38,13 @@ GPU_BYTES = 48 * MIB
 CONTROL_SCALE = 4
 
 
-def _world_waits(outcome: DemoOutcome, mode: str) -> list[float]:
+def world_waits(outcome: DemoOutcome, mode: str) -> list[float]:
+    """Every arrived request's queueing delay in the world of ``mode`` (see the module doc)."""
     return [w for r in outcome.results if r.mode == mode for w in r.waits_s]
 
 
-def _run(trace: trace_mod.Trace, out: Path) -> DemoOutcome:
+def run_trace(trace: trace_mod.Trace, out: Path) -> DemoOutcome:
+    """Run ``trace`` through the demo's real vLLM worlds, its files under ``out``."""
     out.mkdir(parents=True, exist_ok=True)
     trace_mod.save(trace, out / "input-trace.json")
     options = DemoOptions(
@@ -67,13 +69,13 @@ def run(quick: bool) -> Result:
         dataclasses.replace(config, gpu_memory_bytes=CONTROL_SCALE * GPU_BYTES), trace.requests
     )
     with tempfile.TemporaryDirectory(prefix="kvshare-bench-elastic-vllm-") as scratch:
-        shared = _run(trace, Path(scratch) / "trace")
-        controlled = _run(control, Path(scratch) / "control")
+        shared = run_trace(trace, Path(scratch) / "trace")
+        controlled = run_trace(control, Path(scratch) / "control")
     fields: dict[str, float | int | str] = {}
     for name, outcome in (("", shared), ("control_", controlled)):
         comparison = outcome.comparison
         for mode, summary in (("static", comparison.static), ("elastic", comparison.elastic)):
-            waits = _world_waits(outcome, mode)
+            waits = world_waits(outcome, mode)
             fields[f"{name}{mode}_served"] = summary.served
             fields[f"{name}{mode}_abandoned"] = summary.abandoned
             fields[f"{name}{mode}_ttft_p50_s"] = round(percentile(waits, 50), 3)

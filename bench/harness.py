@@ -41,6 +41,12 @@ class Result:
     fields: dict[str, float | int | str]
     targets: list[Target] = field(default_factory=list)
     notes: str = ""
+    tables: str = ""
+    """Markdown a person reads first (a benchmark of many measurements summarises them
+    here); shown above the fields in the report."""
+    detail_prefixes: tuple[str, ...] = ()
+    """Fields whose names start with one of these are in the JSON only: ``tables`` shows
+    them to a person."""
     crashed: bool = False
     """The benchmark raised instead of measuring; ``fields`` holds only the error."""
 

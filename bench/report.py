@@ -25,8 +25,13 @@ results here (`make gpu-check --dry-run` exercises it without a GPU).
 
 
 def _table(result: Result, machine: str, date: str, command: str) -> str:
-    lines = [f"## {result.name}", "", "| field | measured | target | met |", "|---|---|---|---|"]
+    lines = [f"## {result.name}", ""]
+    if result.tables:
+        lines += [result.tables.rstrip("\n"), ""]
+    lines += ["| field | measured | target | met |", "|---|---|---|---|"]
     for key, value in result.fields.items():
+        if result.detail_prefixes and key.startswith(result.detail_prefixes):
+            continue
         shown = f"{value:.4g}" if isinstance(value, float) else str(value)
         target = result.verdict(key)
         if target is None:

@@ -44,6 +44,8 @@ BENCHMARKS = (
     "fuzz",
     "vllm-overhead",
     "elastic-vllm",
+    "twin-check",
+    "agent-faults",
 )
 
 
@@ -119,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     if crashed:
         print(f"failed with an error: {', '.join(crashed)}")
     if args.write:
-        command = "python bench/run.py --all" + (" --quick" if args.quick else "")
+        named = "--all" if args.all else " ".join(names)
+        command = f"python bench/run.py {named}" + (" --quick" if args.quick else "")
         write_report(
             Path(args.write),
             results,

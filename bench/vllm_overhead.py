@@ -117,6 +117,9 @@ def run(quick: bool) -> Result:
             "plain_tokens_per_s": round(median["plain"], 1),
             "kvshare_tokens_per_s": round(median["kvshare"], 1),
             "ratio": round(statistics.median(paired), 4),
+            # The rounds' spread: how far one round's ratio strays on this machine.
+            "ratio_min": round(min(paired), 4),
+            "ratio_max": round(max(paired), 4),
             "ratio_of_medians": round(median["kvshare"] / median["plain"], 4),
             "plain_ttft_p50_s": round(statistics.median(ttft["plain"]), 4),
             "kvshare_ttft_p50_s": round(statistics.median(ttft["kvshare"]), 4),

@@ -132,8 +132,9 @@ CASES = [
         _alert(
             {"severity": "critical", **POOL_A_LABELS},
             "pool of llm/qwen-7b-0 holds more than its lease",
-            "Rank 0 of llm/qwen-7b-0 holds more GPU memory than the broker granted it (plus one "
-            "page): its neighbours on GPU GPU-a can run out of memory.",
+            "Rank 0 of llm/qwen-7b-0 holds more GPU memory than the broker charges it (plus one "
+            "page), or keeps memory a reclaim asked back past its deadline: its neighbours on "
+            "GPU GPU-a can run out of memory.",
             "kvsharepooloverlease",
         ),
     ),

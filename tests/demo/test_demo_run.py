@@ -2,7 +2,9 @@
 
 A short run (a few seconds of trace on a 2 GiB fake GPU) through the normal entry point,
 ``python -m kvshare.cli demo``: it must finish, its counts must agree with the trace it
-ran, no memory may be over-committed at any sample, and the plot must be written.
+ran, no memory may be over-committed at any sample, its headline must be capacity at the
+latency SLO per world (from the GPU twin, on a shortened workload), and the plot must be
+written.
 """
 
 from __future__ import annotations
@@ -55,6 +57,8 @@ def short_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
         "entitlement",
         "--kv-min-share",
         "0.25",
+        "--capacity-duration",
+        "40",
         "--output",
         str(out),
     )
@@ -91,7 +95,7 @@ def test_a_short_demo_prints_the_comparison_and_writes_the_plot(
     short_run: tuple[Path, str],
 ) -> None:
     out, stdout = short_run
-    assert "Same trace (" in stdout and "same 2 GiB GPU" in stdout
+    assert "The live run: same trace (" in stdout and "same 2 GiB GPU" in stdout
     for row in ("static   model-0", "static   total", "elastic  model-2", "elastic  total"):
         assert row in stdout
     assert "0 over-commitments" in stdout
@@ -101,6 +105,27 @@ def test_a_short_demo_prints_the_comparison_and_writes_the_plot(
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # Not a terminal: progress came as plain lines, not ANSI redraws.
     assert "\x1b[" not in stdout and "[  " in stdout
+
+
+def test_the_headline_is_capacity_at_the_slo_per_world(short_run: tuple[Path, str]) -> None:
+    out, stdout = short_run
+    results: dict[str, Any] = json.loads((out / "results.json").read_text())
+    capacity = results["capacity"]
+    worlds = ["static", "first-come", "kvshare:entitlement", "pooled-bound"]
+    assert list(capacity["capacity"]) == worlds and list(capacity["curves"]) == worlds
+    assert capacity["workload"].startswith("fleet-onoff-8b-")
+    # The headline comes first, the live run's overload counts after it.
+    head = stdout.index("Capacity at the latency SLO (p99 TTFT <= 2 s")
+    assert head < stdout.index("The live run: same trace (")
+    for world in worlds:
+        assert f"  {world:<22} {capacity['capacity'][world]:6.2f}x load" in stdout
+    assert "Elastic served" not in stdout
+    # No way of sharing memory beats one pool any engine takes from at once, and every
+    # curve is attainment (a share) at the same load scales.
+    assert max(capacity["capacity"].values()) <= capacity["capacity"]["pooled-bound"] * 1.03
+    scales = {tuple(s for s, _ in curve) for curve in capacity["curves"].values()}
+    assert len(scales) == 1
+    assert all(0 <= a <= 1 for curve in capacity["curves"].values() for _, a in curve)
 
 
 def test_served_counts_agree_with_the_trace_that_ran(short_run: tuple[Path, str]) -> None:
@@ -184,6 +209,8 @@ def test_trace_fixes_the_size_of_the_run(tmp_path: Path) -> None:
         (["--gpu-memory", "lots"], "--gpu-memory"),
         (["--trace", "/nonexistent/trace.json"], "cannot read trace"),
         (["--engine", "vllm", "--speed", "4"], "--engine vllm runs the trace in real time"),
+        (["--capacity", "bogus"], "--capacity must be none or one of fleet-onoff"),
+        (["--capacity-duration", "0"], "--capacity-duration must be in (0, 3600]"),
     ],
 )
 def test_bad_options_are_refused_with_the_reason(args: list[str], message: str) -> None:

@@ -161,6 +161,42 @@ def test_a_background_reserve_keeps_ready_pages_without_exceeding_the_lease(
     assert ids and pool.snapshot().waits == 0  # the reserve covered the whole request
 
 
+def test_a_lease_full_of_prefix_cache_asks_for_no_ready_pages(make_pool: PoolFactory) -> None:
+    """A serving engine keeps the blocks it frees as prefix cache, so its lease fills with
+    cache; it reuses cached blocks when the pool has no fresh ones, as fast as ready pages.
+    A pool whose cache covers its reserve asks the broker for nothing more; one whose
+    cache is gone asks again."""
+    lease = MovableLease(6 * PAGE_BYTES)
+    pool = make_pool(GEOMETRY, lease=lease, reserve_pages=2, lease_chunk_bytes=PAGE_BYTES)
+    cache = PrefixCache(pool)
+    pool.set_evictor(cache)
+    in_use = pool.alloc(15 + 16)  # pages 0 and 1 in use
+    cached = pool.alloc(16 * 4)  # pages 2-5 kept only as cache: the lease is full
+    assert in_use and cached
+    cache.blocks = list(cached)
+    pool.maintain()
+    assert lease.wants == []
+    cache.evict(16 * 3)  # the engine reused most of its cache: one page of it is left
+    pool.alloc(16 * 3)
+    pool.maintain()
+    assert lease.wants and lease.wants[-1] > lease.limit()
+
+
+def test_pages_left_partly_empty_count_as_room_ahead(make_pool: PoolFactory) -> None:
+    """Finished requests leave pages partly empty: their free blocks serve new ones as fast
+    as a ready page. A pool with that much room asks for nothing more."""
+    lease = MovableLease(6 * PAGE_BYTES)
+    pool = make_pool(GEOMETRY, lease=lease, reserve_pages=2, lease_chunk_bytes=PAGE_BYTES)
+    ids = pool.alloc(15 + 16 * 5)  # pages 0-5: the whole lease
+    assert ids
+    pool.free(ids[15::2])  # half of the blocks of pages 1-5 free: 2.5 pages of room
+    pool.maintain()
+    assert lease.wants == []
+    assert pool.alloc(40)  # the room: no page needed
+    pool.maintain()
+    assert lease.wants and lease.wants[-1] > lease.limit()
+
+
 def test_wants_come_in_chunks_and_grants_let_the_pool_grow(make_pool: PoolFactory) -> None:
     lease = MovableLease(2 * PAGE_BYTES, grant_up_to=12 * PAGE_BYTES)
     pool = make_pool(GEOMETRY, lease=lease, reserve_pages=2, lease_chunk_bytes=4 * PAGE_BYTES)

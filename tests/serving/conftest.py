@@ -10,10 +10,13 @@ plain-vLLM reference (the whole session) and a module's two.
 from __future__ import annotations
 
 import random
+import shutil
+import tempfile
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -21,6 +24,9 @@ from kvshare.demo.serving.client import Completion, complete
 from kvshare.demo.serving.environment import DEFAULT_SERVING, tiny_model_dir
 from kvshare.demo.serving.tiny_model import VOCAB
 from kvshare.demo.serving.vllm_server import ServerOptions, VllmServer
+
+if TYPE_CHECKING:
+    from tests.serving.world import Colocated
 
 MIB = 2**20
 #: KV cache of the plain-vLLM reference, and the lease of the standalone kvshare server.
@@ -91,6 +97,41 @@ def native_server(run_dir: Path) -> Iterator[VllmServer]:
 def native(native_server: VllmServer) -> VllmServer:
     """The plain-vLLM reference, answering."""
     return native_server.wait_ready()
+
+
+#: The co-located servers and their agent, while they run (see :func:`colocated`).
+_COLOCATED: list[Colocated] = []
+
+
+@pytest.fixture(scope="session")
+def colocated(run_dir: Path, native: VllmServer) -> Iterator[Colocated]:
+    """Servers A and B leased by one node agent (``tests/serving/world.py``), shared by
+    the modules that use them and stopped after the last of those: at most three servers
+    run at once."""
+    from tests.serving.world import start_colocated
+
+    sockets = Path(tempfile.mkdtemp(prefix="kvs", dir="/tmp"))  # short unix socket paths
+    _COLOCATED.append(start_colocated(run_dir, sockets, native))
+    try:
+        yield _COLOCATED[0]
+    finally:
+        _stop_colocated()
+        shutil.rmtree(sockets, ignore_errors=True)
+
+
+def _stop_colocated() -> None:
+    while _COLOCATED:
+        _COLOCATED.pop().close()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _stop_colocated_after_its_last_module(request: pytest.FixtureRequest) -> Iterator[None]:
+    yield
+    items = request.session.items
+    mine = [i for i, item in enumerate(items) if item.module is request.module]  # type: ignore[attr-defined]
+    later = items[mine[-1] + 1 :] if mine else []
+    if not any("colocated" in item.fixturenames for item in later):  # type: ignore[attr-defined]
+        _stop_colocated()
 
 
 @dataclass(frozen=True)

@@ -65,6 +65,15 @@ def test_an_overloaded_run_is_stopped_once_it_certainly_misses() -> None:
     assert done.sim_s < 60.0
 
 
+def test_a_run_told_not_to_judge_early_counts_every_request() -> None:
+    heavy = onoff(models=2, duration_s=60.0, busy_rps=60.0, prompt=(2000, 4000), seed=3)
+    done = run_world("static", heavy, TwinOptions(judge_early=False))
+    assert not done.verdict.met and not done.verdict.stopped_early
+    # Every request judged: the attainment is the share of all of each model's requests.
+    assert done.verdict.requests == len(heavy.requests)
+    assert done.sim_s > 60.0
+
+
 class _Waiting:
     """An engine seen only through what the monitor asks it: how many of its requests
     arrived before a time and have not been admitted."""

@@ -54,7 +54,9 @@ class PoolStatus(KubeModel):
     used: ByteQuantity = 0
     """KV bytes holding live blocks."""
     over_lease: bool = False
-    """The device shows more memory for this pool than its lease plus one page."""
+    """The device shows more memory for this pool than it may hold plus one page: what the
+    broker charges it (lease and memory a reclaim asked back) within the reclaim's
+    deadline, its lease after it."""
     policy: str = Field(default="", max_length=16)
     """Revision of the KV policy (min, max, priority) the pool runs under."""
     policy_refused: str = Field(default="", max_length=16)

@@ -16,8 +16,10 @@ from typing import TYPE_CHECKING
 
 from kvshare.api import names
 from kvshare.api.quantity import QuantityError, format_bytes, parse_bytes
+from kvshare.demo.capacity import DEFAULT_DURATION_S, DEFAULT_FAMILY
 from kvshare.demo.options import DEFAULT_SPEED, ENGINES
 from kvshare.demo.trace import TraceConfig
+from kvshare.twin.families import FAMILIES
 
 if TYPE_CHECKING:
     from kvshare.demo.options import DemoOptions
@@ -123,6 +125,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "0.25 with --engine vllm)",
     )
     parser.add_argument(
+        "--capacity",
+        default=DEFAULT_FAMILY,
+        metavar="FAMILY",
+        help="the GPU twin's workload family whose capacity at the latency SLO is reported "
+        f"per world (default {DEFAULT_FAMILY}; one of {', '.join(FAMILIES)}; none: skip)",
+    )
+    parser.add_argument(
+        "--capacity-duration",
+        type=float,
+        default=DEFAULT_DURATION_S,
+        metavar="SECONDS",
+        help=f"simulated seconds of that workload (default {DEFAULT_DURATION_S:g})",
+    )
+    parser.add_argument(
         "--plain", action="store_true", help="print progress lines instead of the live view"
     )
 
@@ -159,6 +175,11 @@ def _options(args: argparse.Namespace) -> DemoOptions:
             policy_named(name)  # ValueError names the known ones
     if len(set(policies)) < len(policies):
         raise ValueError("--broker-policy names each policy once")
+    family = None if args.capacity == "none" else args.capacity
+    if family is not None and family not in FAMILIES:
+        raise ValueError(f"--capacity must be none or one of {', '.join(FAMILIES)}, not {family!r}")
+    if not 0 < args.capacity_duration <= 3600:
+        raise ValueError(f"--capacity-duration must be in (0, 3600], got {args.capacity_duration}")
     return DemoOptions(
         duration_s=float(values["duration"]),
         models=int(values["models"]),
@@ -174,6 +195,8 @@ def _options(args: argparse.Namespace) -> DemoOptions:
         live=not args.plain,
         policies=policies,
         kv_min_share=args.kv_min_share,
+        capacity_family=family,
+        capacity_duration_s=args.capacity_duration,
     )
 
 

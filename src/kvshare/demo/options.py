@@ -7,12 +7,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from kvshare.api import names
 from kvshare.demo import trace as trace_mod
 from kvshare.demo.bound import Bound
 from kvshare.demo.stats import BookViolation, Comparison, Mode, ServerResult
+
+if TYPE_CHECKING:
+    from kvshare.demo.capacity import CapacityReport
 
 __all__ = [
     "DEFAULT_SPEED",
@@ -78,6 +81,10 @@ class DemoOptions:
     #: Every elastic pool's kvCache.min, as a fraction of an equal share of the GPU (None:
     #: the engine's default, :attr:`min_share`).
     kv_min_share: float | None = None
+    #: The twin's workload family whose capacity at the SLO the run reports per world
+    #: (:mod:`kvshare.demo.capacity`; None: none), and its simulated seconds.
+    capacity_family: str | None = None
+    capacity_duration_s: float = 120.0
 
     @property
     def min_share(self) -> float:
@@ -155,6 +162,8 @@ class DemoOutcome:
     first's)."""
     policies: dict[str, str | None] = field(default_factory=dict)
     """The broker policy of each elastic world (None: the node agent's default)."""
+    capacity: CapacityReport | None = None
+    """Capacity at the latency SLO per world, from the GPU twin (the headline)."""
     by_world: dict[str, list[ServerResult]] = field(default_factory=dict)
     """Every world's results (``results`` holds the static world's and the first elastic
     world's)."""

@@ -41,7 +41,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from kvshare.api.quantity import format_bytes
 from kvshare.demo import trace as trace_mod
@@ -68,6 +68,9 @@ from kvshare.demo.stats import (
     sample_from_message,
 )
 from kvshare.demo.view import LiveView
+
+if TYPE_CHECKING:
+    from kvshare.demo.capacity import CapacityReport
 
 __all__ = [
     "ENGINES",
@@ -165,6 +168,7 @@ def run_demo(options: DemoOptions, stream: TextIO = sys.stdout) -> DemoOutcome:
         outcome = run.outcome()
         outcome.bound = sharing_bound(trace)
         outcome.speed = options.speed
+        outcome.capacity = _capacity(options, stream)
         outcome.summary = options.output / "results.json"
         if options.plot:
             outcome.plot = _plot(outcome, options.output / "kvshare-demo.png")
@@ -257,6 +261,20 @@ class _Launcher:
         return child
 
 
+def _capacity(options: DemoOptions, stream: TextIO) -> CapacityReport | None:
+    """Each world's capacity at the SLO on the twin's workload, when the options ask for
+    it (after the live run, so that its simulation does not take the live servers' CPU)."""
+    from kvshare.demo.capacity import capacity_at_slo
+
+    if options.capacity_family is None:
+        return None
+    stream.write(
+        f"Measuring capacity at the latency SLO in the GPU twin ({options.capacity_family})...\n"
+    )
+    stream.flush()
+    return capacity_at_slo(options.capacity_family, duration_s=options.capacity_duration_s)
+
+
 def _plot(outcome: DemoOutcome, path: Path) -> Path:
     from kvshare.demo.plot import write_plot
 
@@ -268,6 +286,7 @@ def _plot(outcome: DemoOutcome, path: Path) -> Path:
         trace_mod.busy_windows(outcome.trace),
         gpu_bytes=config.gpu_memory_bytes,
         duration_s=config.duration_s,
+        capacity=outcome.capacity,
     )
 
 

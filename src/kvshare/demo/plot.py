@@ -1,20 +1,27 @@
-"""The demo's picture: KV memory per model over time, static against elastic, and delays.
+"""The demo's picture: KV memory per model over time, static against elastic, and delays;
+beside them, when the run measured it, capacity at the latency SLO in the GPU twin.
 
 Three panels share the time axis: the KV memory each model holds (its lease: what it
 may map and nobody else may use) under static partitions, stacked, the same under
 elastic sharing with what the pools actually mapped as a line, and every request's queueing delay
 against its arrival time in both runs. Each model's busy windows are shaded in its
-colour, so it is visible who needed memory when, and who got it.
+colour, so it is visible who needed memory when, and who got it. The capacity panel
+draws each world's attainment curve (the least model's share of requests within the SLO
+against the load scale), the SLO's attainment line, and each world's capacity.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from kvshare.demo.stats import MODES, Comparison, ServerResult
 from kvshare.demo.trace import Phase
 from kvshare.demo.view import unit_of
+
+if TYPE_CHECKING:
+    from kvshare.demo.capacity import CapacityReport
 
 __all__ = ["write_plot"]
 
@@ -27,6 +34,7 @@ def write_plot(
     *,
     gpu_bytes: int,
     duration_s: float,
+    capacity: CapacityReport | None = None,
 ) -> Path:
     """Draw the comparison into a PNG at ``path`` and return the path."""
     import matplotlib
@@ -37,7 +45,12 @@ def write_plot(
     models = sorted({r.model for r in results})
     colours = [plt.get_cmap("tab10")(i % 10) for i in range(max(models, default=0) + 1)]
     unit, unit_name = unit_of(gpu_bytes)
-    fig, axes = plt.subplots(3, 1, figsize=(11, 9), sharex=True)
+    fig = plt.figure(figsize=(17 if capacity else 11, 9))
+    grid = fig.add_gridspec(3, 2 if capacity else 1, width_ratios=[11, 6] if capacity else [1])
+    first = fig.add_subplot(grid[0, 0])
+    axes = [first, *(fig.add_subplot(grid[i, 0], sharex=first) for i in (1, 2))]
+    if capacity is not None:
+        _capacity_panel(fig.add_subplot(grid[:, 1]), capacity)
     titles = {
         "static": "static partitions: KV memory per model (equal shares; line: mapped)",
         "elastic": "elastic (kvshare broker): KV memory leased per model (line: mapped)",
@@ -86,13 +99,11 @@ def write_plot(
     ax.legend(loc="upper left", fontsize=8)
     ax.set_xlim(0, duration_s)
 
-    fig.suptitle(
-        f"kvshare demo: {len(models)} models on one {gpu_bytes / unit:.1f} {unit_name} GPU — "
-        f"served "
-        f"static {comparison.static.served}, elastic {comparison.elastic.served} "
-        f"(x{comparison.ratio:.2f})",
-        fontsize=11,
-    )
+    title = f"kvshare demo: {len(models)} models on one {gpu_bytes / unit:.1f} {unit_name} GPU"
+    if capacity is None:
+        title += f" — served static {comparison.static.served}, elastic "
+        title += f"{comparison.elastic.served} (x{comparison.ratio:.2f})"
+    fig.suptitle(title, fontsize=11)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
@@ -120,3 +131,22 @@ def _shade_busy(ax: object, phases: Sequence[Phase], colours: Sequence[object]) 
             ax.axvspan(  # type: ignore[attr-defined]
                 phase.start_s, phase.end_s, color=colours[phase.model], alpha=0.08, linewidth=0
             )
+
+
+def _capacity_panel(ax: Any, report: CapacityReport) -> None:
+    """Attainment against load scale per world, with each world's capacity marked."""
+    for index, (world, curve) in enumerate(report.curves.items()):
+        colour = f"C{index}"
+        scales = [s for s, _ in curve]
+        ax.plot(scales, [a * 100 for _, a in curve], marker="o", color=colour, label=world)
+        ax.axvline(report.capacity[world], color=colour, linestyle=":", linewidth=1)
+    ax.axhline(95, color="black", linestyle="--", linewidth=1)
+    ax.text(ax.get_xlim()[0], 95, " SLO: every model >= 95 %", va="bottom", fontsize=8)
+    ax.set_xlabel("load scale (dotted: each world's capacity at the SLO)")
+    ax.set_ylabel("least model's requests within the SLO (%)")
+    ax.set_title(
+        f"capacity at the SLO, GPU twin of one {report.gpu}:\n{report.workload}",
+        fontsize=10,
+        loc="left",
+    )
+    ax.legend(loc="lower left", fontsize=8)

@@ -30,6 +30,7 @@ def write_results(outcome: DemoOutcome, path: Path) -> None:
         "broker_checks": outcome.broker_checks,
         "overdue_reclaims": outcome.overdue_reclaims,
         "bound": asdict(outcome.bound) if outcome.bound is not None else None,
+        "capacity": asdict(outcome.capacity) if outcome.capacity is not None else None,
         "problems": outcome.problems,
         "wall_s": outcome.wall_s,
         "speed": outcome.speed,
@@ -110,18 +111,21 @@ def report_lines(outcome: DemoOutcome, options: DemoOptions) -> list[str]:
     violations = [*outcome.broker_violations, *outcome.pool_violations]
     engines = "real vLLM servers" if options.engine == "vllm" else "simulated engines"
     unit, unit_name = unit_of(config.gpu_memory_bytes)
+    headline = []
+    if outcome.capacity is not None:
+        from kvshare.demo.capacity import capacity_lines
+
+        headline = ["", *capacity_lines(outcome.capacity)]
     lines = [
+        *headline,
         "",
-        f"Same trace ({len(outcome.trace.requests)} requests, {config.models} models, "
+        f"The live run: same trace ({len(outcome.trace.requests)} requests, "
+        f"{config.models} models, "
         f"{config.duration_s:g} s), same {config.gpu_memory_bytes / unit:g} {unit_name} GPU, "
-        f"{engines}:",
+        f"{engines}, the real node agent and KV pools (in overload, by design: the counts "
+        "show memory moving, not capacity):",
         "",
         *summary_table(comparison, config.gpu_memory_bytes),
-        f"Elastic served {comparison.elastic.served} requests, static {comparison.static.served}"
-        f": x{comparison.ratio:.2f}. Clients that gave up after {config.patience_s:g} s "
-        f"without a first token: {comparison.static.abandoned} -> "
-        f"{comparison.elastic.abandoned}. p95 queueing delay "
-        f"{comparison.static.p95_wait_s:.2f} s -> {comparison.elastic.p95_wait_s:.2f} s.",
         *_bound_lines(outcome),
         *_other_world_lines(outcome),
         f"Memory books: {outcome.broker_checks} snapshots of the broker's books and every "

@@ -31,6 +31,7 @@ from kvshare.deviceplugin.broker.audit import Auditor
 from kvshare.deviceplugin.broker.enforcement import EnforcementConfig, LeaseEnforcer
 from kvshare.deviceplugin.broker.policy import DEFAULT_POLICY
 from kvshare.deviceplugin.broker.server import Broker, BrokerConfig, BrokerLimits
+from kvshare.deviceplugin.cluster.budget_checks import BudgetChecks
 from kvshare.deviceplugin.inventory import GpuInfo, Inventory, open_inventory
 
 __all__ = ["AgentConfig", "NodeAgent"]
@@ -122,6 +123,7 @@ class NodeAgent:
         self.broker: Broker | None = None
         self.metrics_server: MetricsServer | None = None
         self._auditor: Auditor | None = None
+        self._budget: BudgetChecks | None = None
         self._plugins: Any = None
         self._watch: Any = None
         self._publisher: Any = None
@@ -197,6 +199,8 @@ class NodeAgent:
             on_findings=enforce,
         )
         self._auditor.start()
+        self._budget = BudgetChecks(broker.view)
+        self._budget.start()
         self._start_kube()
         self._start_device_plugin()
         self._health_thread = threading.Thread(
@@ -245,7 +249,15 @@ class NodeAgent:
         from kvshare.deviceplugin.cluster.publisher import KVShareNodePublisher, status_from_view
 
         assert self.broker is not None and self.inventory is not None
-        broker, backend = self.broker, self.inventory.backend
+        assert self._budget is not None
+        broker, backend, budget = self.broker, self.inventory.backend, self._budget
+
+        def post(reason: str, message: str) -> None:
+            facts = read_node(api, config.node_name)
+            if facts is not None:
+                post_node_event(api, facts, reason, message)
+
+        budget.set_post(post)
         checks = NodeChecks(
             lambda: read_node(api, config.node_name),
             lambda: len(self._gpus),
@@ -268,7 +280,7 @@ class NodeAgent:
                 backend,
                 config.slots_per_gpu,
                 node_config=config.node_config,
-                conditions=[*config_condition, *checks.conditions()],
+                conditions=[*config_condition, *checks.conditions(), *budget.conditions()],
                 policies=broker.pod_policy_states(),
             )
 
@@ -332,6 +344,7 @@ class NodeAgent:
             self._directory,
             self._checks,
             self._auditor,
+            self._budget,
         )
         for part in parts:
             if part is not None:
@@ -345,7 +358,7 @@ class NodeAgent:
         if self.inventory is not None:
             self.inventory.close()
         self._plugins = self._publisher = self._pods = self._checks = self._auditor = None
-        self._directory = None
+        self._budget = self._directory = None
         self.metrics_server = None
         self.broker = None
         self.inventory = None

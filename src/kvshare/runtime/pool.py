@@ -62,7 +62,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvshare.runtime.errors import (
@@ -76,7 +75,7 @@ from kvshare.runtime.geometry import KVGeometry
 from kvshare.runtime.lease import LeaseSource, PoolUsage
 from kvshare.runtime.ownership import LocalOwnership, Ownership
 from kvshare.runtime.paging import Paging
-from kvshare.runtime.pool_blocks import NULL_BLOCK, PageBlocks
+from kvshare.runtime.pool_blocks import NULL_BLOCK, Exhausted, PageBlocks
 from kvshare.runtime.pool_eviction import Eviction, Evictor
 from kvshare.runtime.pool_lease import WANT_RETRY_S, LeaseLimit
 from kvshare.runtime.pool_pages import Pages
@@ -97,25 +96,6 @@ _IN_FLIGHT_WAIT_S = 1.0  # longest wait for pages in flight before trying again
 DEFAULT_LEASE_CHUNK_BYTES = 256 * 2**20
 _WANT_RETRY_S = WANT_RETRY_S  # how often the first page's ask is said again
 _SHRINK_POLL_S = 0.5
-
-
-@dataclass(frozen=True)
-class Exhausted:
-    """What :meth:`KVPool.alloc` returns when it cannot serve a request. Falsy.
-
-    Nothing was allocated. The engine preempts or queues and tries again later.
-    """
-
-    reason: str
-    """Why: the lease is reached, the pool is shrinking, the virtual capacity is full, the
-    device is out of memory, or the kernel's mapping limit is reached (with what to do)."""
-    requested: int
-    """Blocks asked for."""
-    available: int
-    """Blocks :meth:`KVPool.alloc` could have handed out at that moment."""
-
-    def __bool__(self) -> bool:
-        return False
 
 
 class KVPool:
@@ -458,8 +438,22 @@ class KVPool:
             # keep asking while that makes progress and the pool is still over its lease.
             while self._eviction.run(self._pages.held - self._pages.fenced - self._limit.pages):
                 changed = self._rebalance() or changed  # unmap what the eviction emptied
+            # Pages' worth of prefix cache; asked outside _lock (the evictor takes the engine's).
+            cache_pages = self._eviction.cached_blocks() // max(1, self._blocks.min_cap)
             with self._lock:
-                desired = self._pages.mapped - len(self._blocks.ready) + self._reserve_pages
+                # Ready pages are kept so that new blocks need not wait for a page to be
+                # mapped. Free blocks in pages already mapped serve as fast, and so does
+                # the engine's own prefix cache beyond a reserve's worth of it (it reuses
+                # cached blocks when the pool has no fresh ones; the first ones may be a
+                # prefix its next requests hit): room the pool has is no reason to ask
+                # the broker for more. A server whose lease is full of cache, or of pages
+                # its finished requests left partly empty, would otherwise ask for ever,
+                # keep what it holds from a pool that waits, and reclaims would trade one
+                # server's cache for another's.
+                spare = self._blocks.free_partial // max(1, self._blocks.min_cap)
+                spare += max(0, cache_pages - self._reserve_pages)
+                ahead = max(0, self._reserve_pages - spare)
+                desired = self._pages.mapped - len(self._blocks.ready) + ahead
             if desired > self._limit.pages:
                 self._limit.ask(desired)
             self._reporter.report(self.snapshot().usage(), force=changed)

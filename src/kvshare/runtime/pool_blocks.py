@@ -41,11 +41,12 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from kvshare.runtime.errors import InvalidBlockError
 from kvshare.runtime.geometry import KVGeometry
 
-__all__ = ["NULL_BLOCK", "PageBlocks"]
+__all__ = ["NULL_BLOCK", "Exhausted", "PageBlocks"]
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,25 @@ NULL_BLOCK = 0
 padding slot)."""
 
 _FREE, _ALLOCATED, _NEVER = 0, 1, 2  # block states (_NEVER: null block or straddling id)
+
+
+@dataclass(frozen=True)
+class Exhausted:
+    """What :meth:`KVPool.alloc` returns when it cannot serve a request. Falsy.
+
+    Nothing was allocated. The engine preempts or queues and tries again later.
+    """
+
+    reason: str
+    """Why: the lease is reached, the pool is shrinking, the virtual capacity is full, the
+    device is out of memory, or the kernel's mapping limit is reached (with what to do)."""
+    requested: int
+    """Blocks asked for."""
+    available: int
+    """Blocks :meth:`KVPool.alloc` could have handed out at that moment."""
+
+    def __bool__(self) -> bool:
+        return False
 
 
 class PageBlocks:

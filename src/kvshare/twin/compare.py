@@ -3,7 +3,9 @@ the ``capacity`` benchmark and ``python -m kvshare.twin`` report.
 
 The pooled bound is searched first (its runs are the cheapest: no pages, no broker), then
 static partitions; the other worlds are probed at the bound's edge and a little below
-it first (their capacity usually lies just under the bound), then at static's capacity;
+it first (their capacity usually lies just under the bound), then at static's capacity
+and at the edges already found for the other sharing worlds (so first-come and kvshare
+are both tried at the same scales);
 :func:`~kvshare.twin.capacity.capacity` checks every probe, so a wrong guess costs runs,
 not the answer.
 """
@@ -83,7 +85,13 @@ def compare_worlds(
             # more below it, then static's capacity.
             probes = [bound.missed_at, bound.scale, bound.scale * 0.9, bound.scale * 0.75]
             probes = [p for p in probes if 0 < p < math.inf] + [static.scale]
-            probes = [p for p in probes if p > 0]
+            # The edges already found for the other sharing worlds: a world compared with
+            # them is then tried at their capacity itself, so the ratio of the two rests on
+            # runs at the same scale, not on two searches' independent roundings.
+            for other, edge in found.items():
+                if other not in (BOUND, STATIC):
+                    probes += [edge.scale, edge.missed_at]
+            probes = [p for p in probes if 0 < p < math.inf]
         found[world] = capacity(meets(world), precision=precision, probes=probes)
     return Comparison(workload.name, len(workload.requests), {w: found[w] for w in worlds})
 

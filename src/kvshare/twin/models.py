@@ -32,7 +32,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import resources
-from typing import Any
+from typing import Any, Protocol
 
 from kvshare.twin.gpus import GpuKind
 from kvshare.twin.steps import load_table
@@ -40,10 +40,12 @@ from kvshare.twin.workload import ModelSpec
 
 __all__ = [
     "Architecture",
+    "DeviceMemory",
     "DoesNotFitError",
     "Footprint",
     "UnknownArchitectureError",
     "architecture",
+    "architecture_from_config",
     "check_fits",
     "footprint",
 ]
@@ -52,6 +54,18 @@ GIB = 2**30
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 #: Tokens per KV block of each engine by default (vLLM's ``CacheConfig.DEFAULT_BLOCK_SIZE``).
 DEFAULT_BLOCK_TOKENS = {"vllm": 16}
+
+
+class DeviceMemory(Protocol):
+    """The memory of the device models are placed on (a GPU kind, or any twin device)."""
+
+    @property
+    def name(self) -> str:
+        """The device's name."""
+
+    @property
+    def usable_bytes(self) -> int:
+        """What the engines may use together."""
 
 
 class UnknownArchitectureError(ValueError):
@@ -104,31 +118,42 @@ class Architecture:
         return math.ceil(self.parameters * self.dtype_bytes / tensor_parallel)
 
 
+def architecture_from_config(name: str, config: dict[str, Any], source: str) -> Architecture:
+    """The architecture a Hugging Face ``config.json`` describes (``source`` says where it
+    came from); a config without the fields the twin reads is refused."""
+    try:
+        heads = int(config["num_attention_heads"])
+        hidden = int(config["hidden_size"])
+        return Architecture(
+            name=name,
+            layers=int(config["num_hidden_layers"]),
+            heads=heads,
+            kv_heads=int(config["num_key_value_heads"]),
+            head_dim=int(config.get("head_dim") or hidden // heads),
+            hidden=hidden,
+            intermediate=int(config["intermediate_size"]),
+            vocab=int(config["vocab_size"]),
+            tied_embeddings=bool(config.get("tie_word_embeddings", False)),
+            dtype_bytes=_DTYPE_BYTES[config["torch_dtype"]],
+            max_context=int(config["max_position_embeddings"]),
+            qk_norm="Qwen3ForCausalLM" in config["architectures"],
+            source=source,
+        )
+    except (KeyError, TypeError, ValueError) as bad:
+        raise UnknownArchitectureError(
+            f"config of {name} ({source}) is unusable: {bad!r}"
+        ) from None
+
+
 @functools.cache
 def _architectures() -> dict[str, Architecture]:
     raw: dict[str, Any] = json.loads(
         resources.files("kvshare.twin").joinpath("data", "architectures.json").read_text("utf-8")
     )
-    found = {}
-    for name, config in raw["architectures"].items():
-        heads = int(config["num_attention_heads"])
-        hidden = int(config["hidden_size"])
-        found[name] = Architecture(
-            name=name,
-            layers=int(config["num_hidden_layers"]),
-            heads=heads,
-            kv_heads=int(config["num_key_value_heads"]),
-            head_dim=int(config["head_dim"] or hidden // heads),
-            hidden=hidden,
-            intermediate=int(config["intermediate_size"]),
-            vocab=int(config["vocab_size"]),
-            tied_embeddings=bool(config["tie_word_embeddings"]),
-            dtype_bytes=_DTYPE_BYTES[config["torch_dtype"]],
-            max_context=int(config["max_position_embeddings"]),
-            qk_norm="Qwen3ForCausalLM" in config["architectures"],
-            source=str(config["source"]),
-        )
-    return found
+    return {
+        name: architecture_from_config(name, config, str(config["source"]))
+        for name, config in raw["architectures"].items()
+    }
 
 
 def architecture(name: str) -> Architecture:
@@ -192,13 +217,13 @@ def footprint(spec: ModelSpec, gpu: GpuKind) -> Footprint:
     )
 
 
-def kv_budget(footprints: Sequence[Footprint], gpu: GpuKind) -> int:
+def kv_budget(footprints: Sequence[Footprint], gpu: DeviceMemory) -> int:
     """Bytes left for KV caches when ``footprints`` share ``gpu``: its usable memory less
     every model's static footprint (negative when they do not fit)."""
     return gpu.usable_bytes - sum(f.static_bytes for f in footprints)
 
 
-def check_fits(footprints: Sequence[Footprint], gpu: GpuKind, kv_needed: Sequence[int]) -> int:
+def check_fits(footprints: Sequence[Footprint], gpu: DeviceMemory, kv_needed: Sequence[int]) -> int:
     """The KV budget of ``footprints`` on ``gpu``, or :class:`DoesNotFitError` when it
     cannot hold ``kv_needed[i]`` bytes for model ``i`` (its longest request) at once."""
     usable = gpu.usable_bytes / GIB

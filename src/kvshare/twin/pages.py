@@ -60,19 +60,28 @@ class PoolShape:
         return self.geometry.page_bytes
 
 
-def pool_shape(footprint: Footprint, capacity_bytes: int, layout: PageLayout) -> PoolShape:
+def pool_shape(
+    footprint: Footprint,
+    capacity_bytes: int,
+    layout: PageLayout,
+    *,
+    granule: int = GRANULE,
+    lease_chunk_bytes: int = DEFAULT_LEASE_CHUNK_BYTES,
+) -> PoolShape:
     """The pool of ``footprint``'s model in ``layout``, with room for ``capacity_bytes``
-    of KV cache (the most it could ever lease) and its null block."""
+    of KV cache (the most it could ever lease) and its null block, mapped in ``granule``
+    bytes per buffer and leased in steps of ``lease_chunk_bytes`` (rounded to whole
+    logical pages)."""
     block = footprint.block_bytes
     if layout == "block-outer":
         buffers, block_bytes = 1, block
-        page = math.lcm(block, GRANULE)
+        page = math.lcm(block, granule)
     elif layout == "per-layer":
         buffers = footprint.architecture.layers
         block_bytes, rest = divmod(block, buffers)
         if rest:
             raise ValueError(f"a block of {block} bytes does not split into {buffers} layers")
-        page = max(GRANULE, math.lcm(block_bytes, GRANULE) if block_bytes > GRANULE else GRANULE)
+        page = max(granule, math.lcm(block_bytes, granule) if block_bytes > granule else granule)
     else:
         raise ValueError(f"page layout {layout!r} is not one of {', '.join(PAGE_LAYOUTS)}")
     per_page = page // block_bytes
@@ -84,5 +93,5 @@ def pool_shape(footprint: Footprint, capacity_bytes: int, layout: PageLayout) ->
         page_size=page,
         layout="per-layer",
     )
-    chunk = max(1, DEFAULT_LEASE_CHUNK_BYTES // geometry.page_bytes) * geometry.page_bytes
+    chunk = max(1, lease_chunk_bytes // geometry.page_bytes) * geometry.page_bytes
     return PoolShape(geometry, chunk)

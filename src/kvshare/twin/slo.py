@@ -56,11 +56,14 @@ def allowed_misses(count: int, share: float) -> int:
 @dataclass(frozen=True)
 class RequestRecord:
     """What one request got: its model, and its TTFT and TPOT in seconds (None: it gave
-    up before its first token)."""
+    up before its first token); when it arrived, and when its last token came (None: it
+    gave up, or it was never judged)."""
 
     model: int
     ttft_s: float | None
     tpot_s: float | None
+    arrival_s: float = 0.0
+    last_token_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -143,10 +146,15 @@ class SloMonitor:
     :class:`~kvshare.demo.engine_api.RequestObserver`), and stops the clock once every
     request is judged or the SLO is certainly missed."""
 
-    def __init__(self, slo: Slo, model_of: Sequence[int], models: int) -> None:
+    def __init__(
+        self, slo: Slo, model_of: Sequence[int], models: int, *, judge_early: bool = True
+    ) -> None:
         """``model_of[rid]`` is the model of request ``rid`` (requests are numbered from
-        0); ``models`` how many models the workload has."""
+        0); ``models`` how many models the workload has. ``judge_early=False`` lets the
+        run go on to its end even once the SLO is missed, so that every request's
+        attainment is counted (for curves of attainment against load)."""
         self.slo = slo
+        self.judge_early = judge_early
         self._clock = SimClock()
         self._model_of = model_of
         counts = [0] * models
@@ -169,7 +177,8 @@ class SloMonitor:
         wait has already passed the TTFT target."""
         self._clock = clock
         self._engines = list(zip(engines, range(len(engines)), strict=True))
-        self._clock.at(self._clock.now + CHECK_EVERY_S, self._check)
+        if self.judge_early:
+            self._clock.at(self._clock.now + CHECK_EVERY_S, self._check)
 
     # --- the engines' observer ----------------------------------------------------------
     def first_token(self, request: EngineRequest, at_s: float) -> None:
@@ -179,15 +188,21 @@ class SloMonitor:
         outputs = request.output_tokens
         tpot = (last_token_s - first_token_s) / (outputs - 1) if outputs > 1 else 0.0
         ttft = self._first.pop(request.rid, first_token_s - request.arrival_s)
-        self._record(request, ttft, tpot)
+        self._record(request, ttft, tpot, last_token_s)
 
     def gave_up(self, request: EngineRequest, at_s: float) -> None:
         self._first.pop(request.rid, None)
-        self._record(request, None, None)
+        self._record(request, None, None, None)
 
-    def _record(self, request: EngineRequest, ttft: float | None, tpot: float | None) -> None:
+    def _record(
+        self,
+        request: EngineRequest,
+        ttft: float | None,
+        tpot: float | None,
+        last_token_s: float | None,
+    ) -> None:
         model = self._model_of[request.rid]
-        record = RequestRecord(model, ttft, tpot)
+        record = RequestRecord(model, ttft, tpot, request.arrival_s, last_token_s)
         self.records.append(record)
         self._judged[model] += 1
         if ttft is None or ttft > self.slo.ttft_p99_s:
@@ -198,7 +213,7 @@ class SloMonitor:
             self._missed[model] += 1
         if len(self.records) == self.total:
             self._clock.stopped = True
-        elif self._certainly_missed(0, [0] * len(self.per_model)):
+        elif self.judge_early and self._certainly_missed(0, [0] * len(self.per_model)):
             self.failed = self._clock.stopped = True
 
     # --- judging early ----------------------------------------------------------------------

@@ -32,18 +32,17 @@ from dataclasses import dataclass
 
 from kvshare.demo.blocks import BlockAllocator
 from kvshare.demo.bound import FixedBlocks
-from kvshare.demo.engine_sim import EngineSim, SchedulerLimits
+from kvshare.demo.engine_sim import EngineSim
 from kvshare.demo.sim_node import NodeSettings, PoolSpec, SimClock, SimNode
 from kvshare.demo.trace import Request
 from kvshare.deviceplugin.broker.policy import DEFAULT_POLICY, POLICIES, policy_named
 from kvshare.runtime.pool import KVPool
 from kvshare.twin.allocators import FirstComePages, SharedBytes
-from kvshare.twin.arbiter import ARBITERS, Slot, roofline_demand, start_engines
-from kvshare.twin.gpus import GpuKind, gpu_kind
-from kvshare.twin.models import DoesNotFitError, Footprint, check_fits, footprint
+from kvshare.twin.arbiter import ARBITERS, Slot, start_engines
+from kvshare.twin.device import Device, device_named
+from kvshare.twin.models import DoesNotFitError, Footprint, check_fits
 from kvshare.twin.pages import PAGE_LAYOUTS, PageLayout, PoolShape, pool_shape
-from kvshare.twin.slo import PATIENCE_S, SloMonitor, SloVerdict
-from kvshare.twin.steps import TableStepCost, load_table
+from kvshare.twin.slo import PATIENCE_S, RequestRecord, SloMonitor, SloVerdict
 from kvshare.twin.workload import Workload
 
 __all__ = [
@@ -81,6 +80,9 @@ class TwinOptions:
     latency_s: float = 0.001
     #: kvshare: seconds a pool has to honour a reclaim (the node agent's default).
     reclaim_deadline_s: float = 10.0
+    #: Stop a run as soon as the SLO is certainly missed (False: run every request, so
+    #: that the verdict's attainment counts all of them).
+    judge_early: bool = True
 
     def __post_init__(self) -> None:
         if self.sharing not in ARBITERS:
@@ -97,9 +99,9 @@ class TwinOptions:
 
 @dataclass(frozen=True)
 class Placement:
-    """The workload's models on its GPU: what each keeps, and the KV budget they share."""
+    """The workload's models on its device: what each keeps, and the KV budget they share."""
 
-    gpu: GpuKind
+    device: Device
     footprints: tuple[Footprint, ...]
     budget_bytes: int
     #: Per model, the blocks its longest request needs.
@@ -122,13 +124,15 @@ class WorldResult:
     steps: int
     #: Why the world served nothing, when it could not start.
     note: str = ""
+    #: Every request judged, in the order they were (those never judged are absent).
+    records: tuple[RequestRecord, ...] = ()
 
 
 def place(workload: Workload) -> Placement:
     """Where the workload's models go: their footprints on its GPU and their KV budget;
     :class:`~kvshare.twin.models.DoesNotFitError` when one GPU cannot hold them."""
-    gpu = gpu_kind(workload.gpu)
-    footprints = tuple(footprint(spec, gpu) for spec in workload.models)
+    device = device_named(workload.gpu)
+    footprints = tuple(device.footprint(spec) for spec in workload.models)
     longest = [0] * len(footprints)
     index = {spec.name: i for i, spec in enumerate(workload.models)}
     for request in workload.requests:
@@ -138,7 +142,7 @@ def place(workload: Workload) -> Placement:
         -(-tokens // item.block_tokens) for tokens, item in zip(longest, footprints, strict=True)
     )
     needed = [n * item.block_bytes for n, item in zip(blocks, footprints, strict=True)]
-    return Placement(gpu, footprints, check_fits(footprints, gpu, needed), blocks)
+    return Placement(device, footprints, check_fits(footprints, device, needed), blocks)
 
 
 def _requests(workload: Workload) -> list[list[Request]]:
@@ -163,26 +167,22 @@ class _Run:
         self.requests = _requests(workload)
         index = {spec.name: i for i, spec in enumerate(workload.models)}
         self.monitor = SloMonitor(
-            workload.slo, [index[r.model] for r in workload.requests], len(workload.models)
+            workload.slo,
+            [index[r.model] for r in workload.requests],
+            len(workload.models),
+            judge_early=options.judge_early,
         )
 
     def engine(self, model: int, allocator: BlockAllocator) -> EngineSim:
         """Model ``model``'s engine over ``allocator``."""
-        spec = self.workload.models[model]
-        gpu = self.placement.gpu
-        table = load_table(gpu.name, spec.architecture, spec.engine, spec.tensor_parallel)
-        limits = SchedulerLimits(
-            max_tokens=gpu.vllm_max_batched_tokens,
-            max_running=gpu.vllm_max_seqs,
-            chunked_prefill=True,
-        )
+        device = self.placement.device
         return EngineSim(
             self.requests[model],
             allocator,
             block_tokens=self.placement.footprints[model].block_tokens,
-            cost=TableStepCost(table),
+            cost=device.cost(self.workload.models[model]),
             patience_s=self.options.patience_s,
-            limits=limits,
+            limits=device.limits(),
             observer=self.monitor,
         )
 
@@ -193,16 +193,18 @@ class _Run:
         engines: Sequence[EngineSim],
         hooks: Callable[[int], tuple[Callable[[], None], Callable[[], None]]] | None = None,
     ) -> WorldResult:
-        """Run ``engines`` on one GPU shared by the arbiter until every request is judged,
-        the SLO is certainly missed, or the run has drained past its last arrival."""
-        slots = []
+        """Run ``engines`` on the device's compute units (model ``m`` on unit ``m % units``,
+        each shared by its own arbiter) until every request is judged, the SLO is
+        certainly missed, or the run has drained past its last arrival."""
+        device = self.placement.device
+        units: list[list[Slot]] = [[] for _ in range(device.compute_units)]
         for model, engine in enumerate(engines):
-            demand = roofline_demand(self.placement.footprints[model], self.placement.gpu)
-            slot = Slot(engine, demand)
+            slot = Slot(engine, device.demand(self.placement.footprints[model]))
             if hooks is not None:
                 slot.began, slot.ended = hooks(model)
-            slots.append(slot)
-        start_engines(clock, self.options.sharing, slots)
+            units[model % device.compute_units].append(slot)
+        for slots in units:
+            start_engines(clock, self.options.sharing, slots)
         self.monitor.watch(clock, engines)
         last = max((r.arrival_s for r in self.workload.requests), default=0.0)
         clock.run_until(last + self.options.patience_s + DRAIN_S)
@@ -211,6 +213,7 @@ class _Run:
             self.monitor.verdict(),
             sim_s=clock.now,
             steps=sum(engine.steps for engine in engines),
+            records=tuple(self.monitor.records),
         )
 
 
@@ -263,7 +266,7 @@ def kvshare(workload: Workload, options: TwinOptions, policy: str = DEFAULT_POLI
     placement = place(workload)
     run = _Run(workload, options, placement)
     shapes = _shapes(placement, options.page_layout)
-    gpu = placement.gpu
+    device = placement.device
     kv_min = int(placement.share_bytes * options.kv_min_share)
     specs = [
         PoolSpec(
@@ -278,11 +281,12 @@ def kvshare(workload: Workload, options: TwinOptions, policy: str = DEFAULT_POLI
         for item, shape in zip(placement.footprints, shapes, strict=True)
     ]
     settings = NodeSettings(
-        gpu_bytes=gpu.memory_bytes,
-        headroom_bytes=gpu.memory_bytes - gpu.usable_bytes,
+        gpu_bytes=device.memory_bytes,
+        headroom_bytes=device.memory_bytes - device.usable_bytes,
         latency_s=options.latency_s,
         reclaim_deadline_s=options.reclaim_deadline_s,
         maintain_when_woken=True,
+        granularity=device.page_granule,
     )
 
     def make_engine(model: int, pool: KVPool) -> EngineSim:
@@ -306,7 +310,17 @@ def kvshare(workload: Workload, options: TwinOptions, policy: str = DEFAULT_POLI
 
 
 def _shapes(placement: Placement, layout: PageLayout) -> list[PoolShape]:
-    return [pool_shape(item, placement.budget_bytes, layout) for item in placement.footprints]
+    device = placement.device
+    return [
+        pool_shape(
+            item,
+            placement.budget_bytes,
+            layout,
+            granule=device.page_granule,
+            lease_chunk_bytes=device.lease_chunk_bytes,
+        )
+        for item in placement.footprints
+    ]
 
 
 def _cannot_start(run: _Run, why: str) -> WorldResult:

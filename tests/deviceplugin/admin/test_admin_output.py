@@ -30,7 +30,8 @@ HOSTILE = [
 def _gpu(uuid: str, name: str) -> GpuView:
     return GpuView(uuid=uuid, index=0, name=name, total=8 * GIB, headroom=0, healthy=True,
                    draining=False, static=0, kv_min=0, kv_lease=0, kv_charged=0, kv_mapped=0,
-                   kv_used=0, free=8 * GIB, unleased=0, pools=1, turn_holder=HOSTILE[1],
+                   kv_used=0, free=8 * GIB, unleased=0, overcommitted=0, min_shortfall=0,
+                   pools_sized_larger=0, pools=1, turn_holder=HOSTILE[1],
                    turn_waiting=0)  # fmt: skip
 
 

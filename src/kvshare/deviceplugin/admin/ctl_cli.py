@@ -114,6 +114,12 @@ def render_gpus(view: BooksView) -> str:
     rows = []
     for g in view.gpus:
         state = "draining" if g.draining else ("healthy" if g.healthy else "UNHEALTHY")
+        if g.min_shortfall:
+            state += f",MINIMUMS-DO-NOT-FIT(by {_bytes(g.min_shortfall)})"
+        elif g.overcommitted:
+            state += f",over-committed(reclaiming {_bytes(g.overcommitted)})"
+        if g.pools_sized_larger:
+            state += f",SMALLER-THAN-KV-CACHES({g.pools_sized_larger} pools)"
         if g.turn_holder:
             state += f",starting({g.turn_holder}, {g.turn_waiting} waiting)"
         rows.append(

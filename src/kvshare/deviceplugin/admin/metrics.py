@@ -65,6 +65,21 @@ _GPU_GAUGES: dict[str, tuple[str, Callable[[GpuView], float]]] = {
         "Budget not leased to any pool: grantable without a reclaim.",
         lambda g: g.unleased,
     ),
+    "kvshare_gpu_kv_overcommitted_bytes": (
+        "KV charges beyond the budget: above 0 after a restart with a smaller budget (raised "
+        "headroom, a smaller configuration, a GPU reported smaller) until the reclaims that "
+        "follow are released.",
+        lambda g: g.overcommitted,
+    ),
+    "kvshare_gpu_kv_min_shortfall_bytes": (
+        "Guaranteed KV minimums beyond the budget: above 0 the budget cannot be reached "
+        "and the minimums are not all guaranteed.",
+        lambda g: g.min_shortfall,
+    ),
+    "kvshare_gpu_pools_sized_larger": (
+        "Pools whose KV caches were sized for more memory than the GPU reports now.",
+        lambda g: g.pools_sized_larger,
+    ),
     "kvshare_gpu_pools": ("KV pools on the GPU.", lambda g: g.pools),
     "kvshare_gpu_healthy": ("1 when the GPU is healthy.", lambda g: g.healthy),
     "kvshare_gpu_draining": ("1 while the GPU is being drained.", lambda g: g.draining),
@@ -105,7 +120,9 @@ _POOL_GAUGES: dict[str, tuple[str, Callable[[PoolView], float | None]]] = {
     ),
     "kvshare_pool_priority": ("Reclaim priority of the pool.", lambda p: p.priority),
     "kvshare_pool_over_lease": (
-        "1 when the device shows more than the lease plus one page (audit).",
+        "1 when the device shows more than the pool may hold plus one page (audit): its "
+        "charge (lease and memory a reclaim asked back) while the reclaim is within its "
+        "deadline, its lease after that.",
         lambda p: p.over_lease,
     ),
     "kvshare_pool_reclaim_pending": (
@@ -194,6 +211,12 @@ class NodeMetrics(BrokerEvents):
             "kvshare_broker_reclaim_deadline_missed",
             "Reclaims whose pool did not release the memory by the deadline (the pool: "
             "kvshare_pool_reclaim_overdue).",
+            "gpu",
+        )
+        self.reclaims_ungranted = self._counter(
+            "kvshare_broker_reclaims_ungranted",
+            "Reclaims made for waiting pools that ended (released or called off) with no "
+            "other pool granted memory since: at most one per pool per reclaim deadline.",
             "gpu",
         )
         self.admissions = self._counter(
@@ -327,6 +350,10 @@ class NodeMetrics(BrokerEvents):
         """Count a missed deadline (per GPU: a pool's own series would outlive it)."""
         self.deadline_missed.labels(pool.gpu).inc()
 
+    def reclaim_ungranted(self, gpu: str) -> None:
+        """Count a reclaim for waiters that granted nothing."""
+        self.reclaims_ungranted.labels(gpu).inc()
+
     def admitted(self, gpu: str, resumed: bool) -> None:
         """Count an admission."""
         self.admissions.labels(gpu, "resumed" if resumed else "admitted").inc()
@@ -420,6 +447,10 @@ class MetricsServer:
 
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
+    # Connections the kernel queues while the agent cannot accept them (stopped, busy).
+    # The default 5 is soon full: a probe beyond it has its connection attempts dropped
+    # and retried only after 1, 3, 7 ... s, so it answers seconds after the agent runs again.
+    request_queue_size = 128
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         # A scraper that hung up before its answer was written is not the agent's

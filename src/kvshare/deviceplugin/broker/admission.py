@@ -141,6 +141,7 @@ class Admitter:
         if turn is not None:
             self._turns.hand_over(gpu, turn)
         record = self._add(gpu, hello, pid, now, lease=0)
+        record.sized_for = gpu.info.total_bytes
         record.want = record.kv_min
         self._lender.grant(gpu, record, record.kv_min, holdback=0)
         if record.lease < record.want:
@@ -181,16 +182,29 @@ class Admitter:
             log.info("pool %s (pid %d) reconnected", existing.name, pid)
             self._events.admitted(hello.gpu, resumed=True)
             return Admission(existing, "", sends)
-        if self._recovery.claim(pid) is None:
+        expected = self._recovery.claim(pid)
+        if expected is None:
             return self._resume_unknown(gpu, hello, pid, now)
         lease = align_up(max(hello.lease, hello.held), hello.page_size)
         record = self._add(gpu, hello, pid, now, lease=lease)
+        record.sized_for = expected.gpu_total
+        if record.sized_for > gpu.info.total_bytes:
+            log.warning(
+                "GPU %d reports %s, less than the %s pool %s's KV cache was sized for: its "
+                "engine may try to use memory this GPU does not have (restart it to size "
+                "its cache for this GPU)",
+                gpu.info.index,
+                size(gpu.info.total_bytes),
+                size(record.sized_for),
+                record.name,
+            )
         record.usage = Report(mapped=hello.held, used=hello.used, cached=0, reserved=0)
         record.want = lease
         self._lender.recharge(gpu, record)
         if gpu.unleased < 0:
             log.warning(
-                "GPU %d is over-committed by %s after pool %s re-declared %s: reclaiming",
+                "GPU %d is over-committed by %s after pool %s re-declared %s (its budget is "
+                "smaller than before the restart): reclaiming",
                 gpu.info.index,
                 size(-gpu.unleased),
                 record.name,

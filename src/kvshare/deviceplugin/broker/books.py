@@ -279,7 +279,10 @@ class Books:
                 )
         self._lender.recharge(gpu, pool)
         if acknowledged or released:
-            return self._lender.serve(gpu, now)
+            sends = self._lender.serve(gpu, now)
+            if acknowledged and pending is not None:
+                self._lender.settle(gpu, pool, pending)
+            return sends
         # A pending reclaim stands even when blocks are in use above its target: the pool
         # releases them as their requests finish (see the module doc).
         if not self.recovering and self._lender.waiting(gpu):

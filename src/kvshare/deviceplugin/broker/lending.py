@@ -80,6 +80,8 @@ class Lender:
         if step <= 0:
             return 0
         pool.lease += step
+        pool.granted_total += step
+        gpu.granted_total += step
         self.recharge(gpu, pool)
         self._events.granted(pool.gpu, step)
         return step
@@ -90,8 +92,7 @@ class Lender:
         # What a pool reports holding beyond its lease is not charged: reports are the
         # pool's word, and a pool must not be able to push others out by inflating it.
         # Real over-use is caught by the audit against the device.
-        pending = pool.reclaim.from_bytes if pool.reclaim is not None else 0
-        charge = max(pool.kv_min, pool.lease, pending)
+        charge = pool.charged_bytes()
         gpu.charged += charge - pool.charge
         pool.charge = charge
 
@@ -146,7 +147,7 @@ class Lender:
             return []
         # Who still waits is the policy's to say: an ask it no longer counts (the default
         # policy lets one lapse when the pool stops repeating it) needs no reclaim.
-        if self.waiting(gpu) and self._policy.grants(gpu.snapshot(now)):
+        if self._policy.waiting_for(gpu.snapshot(now)):
             return []
         sends = []
         for pool in gpu.pools.values():
@@ -157,8 +158,19 @@ class Lender:
             pool.lease = max(pool.lease, min(pending.from_bytes, align_up(pool.held, pool.page)))
             self.recharge(gpu, pool)
             log.debug("reclaim %d of pool %s called off: nobody waits", pending.seq, pool.name)
+            self.settle(gpu, pool, pending)
             sends.append(Send("pool", pool.id, Lease(seq=0, limit=pool.lease, reason=GRANTED)))
         return sends
+
+    def settle(self, gpu: GpuRecord, pool: PoolRecord, ended: PendingReclaim) -> None:
+        """A reclaim of ``pool`` ended (released or called off): one made for waiting pools
+        after which no other pool was granted memory is counted."""
+        if not ended.for_waiters:
+            return
+        if gpu.granted_total - pool.granted_total > ended.others_granted:
+            return
+        self._events.reclaim_ungranted(pool.gpu)
+        log.info("reclaim %d of pool %s granted nothing to another pool", ended.seq, pool.name)
 
     def rebalance(self, gpu: GpuRecord, now: float) -> list[Send]:
         """Issue the reclaims the policy asks for (for waiters, a waiting start-up turn,
@@ -190,10 +202,8 @@ class Lender:
             for_waiters = resent.for_waiters
         else:
             # Deepening a reclaim that was needed for more than waiters keeps it needed.
-            for_waiters = (
-                reason == CONTENTION
-                and not (gpu.turn_need() or gpu.unleased < 0)
-                and (previous is None or previous.for_waiters)
+            for_waiters = self._for_waiters(gpu, reason) and (
+                previous is None or previous.for_waiters
             )
         pool.reclaim = PendingReclaim(
             seq=seq,
@@ -205,6 +215,9 @@ class Lender:
             deadline=resent.deadline if resent else now + self.reclaim_deadline_s,
             overdue=resent.overdue if resent else False,
             for_waiters=for_waiters,
+            others_granted=(
+                previous.others_granted if previous else gpu.granted_total - pool.granted_total
+            ),
         )
         pool.lease = target
         # The pool asks again if it still needs more; until then it is not waiting.
@@ -216,6 +229,12 @@ class Lender:
         log.debug("reclaim %d: pool %s down to %s (%s)", seq, pool.name, size(target), reason)
         left = max(pool.reclaim.deadline - now, 0.0)
         return Send("pool", pool.id, Reclaim(seq=seq, limit=target, deadline_s=left, reason=reason))
+
+    @staticmethod
+    def _for_waiters(gpu: GpuRecord, reason: str) -> bool:
+        """Whether a reclaim sent now for ``reason`` would be only for waiting pools (not
+        for an engine waiting to start, an over-committed GPU, a drain or a lowered max)."""
+        return reason == CONTENTION and not (gpu.turn_need() or gpu.unleased < 0)
 
     def end_recovery_if_done(self, now: float) -> list[Send]:
         """:meth:`end_recovery` once every expected pool has re-declared or is gone."""

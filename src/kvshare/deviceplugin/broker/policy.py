@@ -200,6 +200,11 @@ class Policy(Protocol):
     def reclaims(self, gpu: GpuState) -> dict[int, int]:
         """Pool id -> the lease to reclaim it down to."""
 
+    def waiting_for(self, gpu: GpuState) -> dict[int, int]:
+        """Pool id -> bytes it asks for beyond its lease, for the pools whose asks the
+        policy reclaims for now: what reclaims for waiters are for (empty: a reclaim made
+        only for waiters is no longer needed)."""
+
 
 def fair_shares(capacity: int, pools: Iterable[tuple[int, int, int, int]]) -> dict[int, int]:
     """Weighted max-min fair split of ``capacity`` bytes.
@@ -233,6 +238,31 @@ def fair_shares(capacity: int, pools: Iterable[tuple[int, int, int, int]]) -> di
 
 def _align_up(value: int, page: int) -> int:
     return -(-value // page) * page
+
+
+def _overcommitted(gpu: GpuState, targets: dict[int, int]) -> None:
+    """Lower ``targets`` until the GPU is back within its budget, lowest priority first,
+    each pool to no less than its floor: idle memory of every pool first, then memory in
+    use. Only for what the policy's own passes left over-committed (after a restart with
+    a smaller budget: raised headroom, a smaller configuration, a GPU reported smaller)."""
+    excess = -gpu.unleased - _incoming(gpu)
+    excess -= sum(p.lease - targets.get(p.id, p.lease) for p in gpu.pools)
+    if excess <= 0:
+        return
+    order = sorted(
+        (p for p in gpu.pools if not p.reclaim_overdue),
+        key=lambda p: (p.priority, -(targets.get(p.id, p.lease) - p.active), p.id),
+    )
+    for in_use in (False, True):
+        for pool in order:
+            if excess <= 0:
+                return
+            target = targets.get(pool.id, pool.lease)
+            keep = _align_up(pool.floor if in_use else max(pool.floor, pool.active), pool.page)
+            take = min(target - keep, _align_up(excess, pool.page))
+            if take > 0:
+                targets[pool.id] = target - take
+                excess -= take
 
 
 class FairShare:
@@ -291,7 +321,7 @@ class FairShare:
         # memory in use comes back only as its requests finish.
         idle_need = shortfall - gpu.unleased
         need = idle_need - incoming
-        if idle_need <= 0:
+        if idle_need <= 0 and gpu.unleased >= 0:
             return {}
         # Never below a pool's fair share or its floor. Pools still releasing a reclaim can
         # be asked for more; those past its deadline are left alone.
@@ -306,8 +336,8 @@ class FairShare:
         for victim in victims:
             if idle_need <= 0:
                 break
-            if victim.id in waiting:
-                continue
+            if victim.id in waiting or victim.reclaim_target is not None:
+                continue  # a pool already giving back idle memory is not asked again
             keep = max(floors[victim.id], _align_up(max(victim.held, victim.used), victim.page))
             take = min(targets[victim.id] - keep, _align_up(idle_need, victim.page))
             if take > 0:
@@ -322,7 +352,11 @@ class FairShare:
             if take > 0:
                 targets[victim.id] -= take
                 need -= take
-        return {p.id: targets[p.id] for p in victims if targets[p.id] < p.lease}
+        _overcommitted(gpu, targets)
+        return {p.id: t for p in gpu.pools if (t := targets.get(p.id, p.lease)) < p.lease}
+
+    def waiting_for(self, gpu: GpuState) -> dict[int, int]:
+        return {p.id: p.cap - p.lease for p in gpu.waiters()}
 
 
 def _incoming(gpu: GpuState) -> int:
@@ -384,6 +418,9 @@ class Entitlement:
         first = [(p.id, min(p.cap, max(entitled[p.id], p.lease))) for p in waiters]
         return first + [(p.id, p.cap) for p in waiters]
 
+    def waiting_for(self, gpu: GpuState) -> dict[int, int]:
+        return {p.id: p.cap - p.lease for p in gpu.pools if self.short(p, gpu.now)}
+
     def reclaims(self, gpu: GpuState) -> dict[int, int]:
         if gpu.draining:
             return {p.id: p.floor for p in gpu.pools if p.lease > p.floor}
@@ -396,7 +433,7 @@ class Entitlement:
         # its entitlement (and an engine waiting to start).
         owed = sum(max(0, min(p.cap, entitled[p.id]) - p.lease) for p in short)
         busy_need = gpu.turn_need + owed - gpu.unleased - _incoming(gpu)
-        if idle_need <= 0 and busy_need <= 0:
+        if idle_need <= 0 and busy_need <= 0 and gpu.unleased >= 0:
             return {}
         leases = {p.id: p.lease for p in gpu.pools}
         targets = {p.id: p.lease for p in gpu.pools if not p.reclaim_overdue}
@@ -405,9 +442,15 @@ class Entitlement:
         # first: each keeps what it uses (its ready pages are idle too), what it asked for
         # a moment ago (it may not have reported using it yet), and below its entitlement
         # headroom for its next requests, so that they start at once rather than after a
-        # reclaim from a busy pool.
+        # reclaim from a busy pool. A pool already giving back is not asked for more idle
+        # memory before it has answered: its report may not show the first reclaim yet,
+        # and asking again would take its cache for memory nobody takes.
         idle = sorted(
-            (p for p in gpu.pools if p.id in targets and p.id not in short_ids),
+            (
+                p
+                for p in gpu.pools
+                if p.id in targets and p.id not in short_ids and p.reclaim_target is None
+            ),
             key=lambda p: (p.priority, -(p.lease - p.active), p.id),
         )
         for pool in idle:
@@ -438,6 +481,7 @@ class Entitlement:
             if take > 0:
                 targets[pool.id] -= take
                 busy_need -= take
+        _overcommitted(gpu, targets)
         return {pid: t for pid, t in targets.items() if t < leases[pid]}
 
 

@@ -79,6 +79,10 @@ class BrokerEvents:
     def reclaim_overdue(self, pool: PoolRecord) -> None:
         """A pool missed a reclaim deadline."""
 
+    def reclaim_ungranted(self, gpu: str) -> None:
+        """A reclaim made for waiting pools ended (released or called off) with no other
+        pool of the GPU granted memory since it was sent."""
+
     def admitted(self, gpu: str, resumed: bool) -> None:
         """A pool was admitted (``resumed``: re-declared after a reconnect)."""
 
@@ -112,6 +116,9 @@ class PendingReclaim:
     for_waiters: bool = False
     """Issued only because other pools waited (not for a lowered max, a drain, an engine
     starting or an over-committed GPU): called off when nobody waits any more."""
+    others_granted: int = 0
+    """Bytes granted to the GPU's other pools before it was sent (see
+    :attr:`GpuRecord.granted_total`): more when it ends means a grant was behind it."""
 
 
 @dataclass(eq=False)
@@ -140,6 +147,11 @@ class PoolRecord:
     orphan_deadline: float = 0.0
     device_bytes: int | None = None
     over_lease: bool = False
+    granted_total: int = 0
+    """Bytes ever granted to the pool."""
+    sized_for: int = 0
+    """The GPU's memory when the pool was first admitted (by this broker or the one before
+    it): what its engine sized its KV cache for (0: not known)."""
 
     @property
     def gpu(self) -> str:
@@ -173,9 +185,14 @@ class PoolRecord:
         return self.usage.held
 
     def charged_bytes(self) -> int:
-        """What the broker counts as taken from the GPU for the pool: the one figure the
-        audit and lease enforcement hold the device's own figure against."""
-        return self.charge
+        """What the broker charges the pool now: its lease, plus memory it was asked to
+        give back and has not yet released (and never less than its kv min). The most the
+        pool may hold on the device while a reclaim runs; once the reclaim's deadline has
+        passed, memory kept beyond the lease is over-use (see
+        :mod:`~kvshare.deviceplugin.broker.audit`). The figure the audit and lease
+        enforcement hold the device's own figure against."""
+        pending = self.reclaim.from_bytes if self.reclaim is not None else 0
+        return max(self.kv_min, self.lease, pending)
 
     def view(self, now: float) -> PoolView:
         """The pool as plain values."""
@@ -214,6 +231,7 @@ class PoolRecord:
             reclaim_overdue=bool(pending and pending.overdue),
             orphaned=self.orphaned_at is not None,
             age_s=round(now - self.admitted_at, 3),
+            sized_for=self.sized_for,
         )
 
 
@@ -226,6 +244,9 @@ class ExpectedPool:
     gpu: str
     static: int
     kv_min: int
+    gpu_total: int = 0
+    """The GPU's memory when the pool was admitted: what its engine sized its KV cache
+    for (0: not known)."""
 
 
 @dataclass
@@ -270,6 +291,8 @@ class GpuRecord:
     """Charges of pools plus the start-up turn's reserved kv_min."""
     expected_static: int = 0
     expected_min: int = 0
+    granted_total: int = 0
+    """Bytes ever granted to its pools."""
 
     @property
     def budget(self) -> int:
@@ -281,6 +304,20 @@ class GpuRecord:
         """The budget less every charge: what a grant may take. Never negative by the
         broker's own decisions."""
         return self.budget - self.charged
+
+    @property
+    def overcommitted(self) -> int:
+        """What the pools are charged beyond the budget (0 but after a restart with a
+        smaller budget, until the reclaims that follow it are released)."""
+        return max(0, self.charged - self.budget)
+
+    @property
+    def min_shortfall(self) -> int:
+        """What the guaranteed minimums (each pool's floor, and the kv min reserved for an
+        engine starting) need beyond the budget: above 0 the budget cannot be reached."""
+        floors = sum(p.floor for p in self.pools.values())
+        reserved = self.turn.reserved_min if self.turn is not None else 0
+        return max(0, floors + reserved - self.budget)
 
     @property
     def placement_free(self) -> int:
@@ -371,6 +408,9 @@ class GpuRecord:
             kv_used=sum(p.usage.used for p in pools),
             free=self.placement_free,
             unleased=self.unleased,
+            overcommitted=self.overcommitted,
+            min_shortfall=self.min_shortfall,
+            pools_sized_larger=sum(1 for p in pools if p.sized_for > self.info.total_bytes),
             pools=len(self.pools),
             turn_holder=f"pid {turn.waiter.pid}" if turn else "",
             turn_waiting=len(self.queue) + self.forming,

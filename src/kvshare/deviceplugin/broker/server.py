@@ -1,7 +1,5 @@
 """The memory broker's server: unix sockets, one event loop, the books behind one lock.
 
-Concurrency
------------
 One thread (``kvshare-broker``) owns every socket: it accepts, reads, decodes, applies
 each message to the :class:`~kvshare.deviceplugin.broker.books.Books` and writes the
 replies, through one ``epoll`` selector. A single loop needs no per-connection threads (which in
@@ -22,7 +20,7 @@ Every connection belongs to a tenant, the pod its process runs in (:mod:`.verifi
 limits count per pod and in all (:mod:`.connections.gate`); under Kubernetes a first
 message is checked against what the pod was given (:mod:`.identity`), waiting briefly for
 a pod not known yet. This module is the loop and the order of things; the parts it drives
-are in :mod:`.connections`, :mod:`.state` and :mod:`.overrides`.
+are in :mod:`.connections`, :mod:`.state`, :mod:`.overrides` and :mod:`.config`.
 """
 
 from __future__ import annotations
@@ -35,7 +33,6 @@ import socket
 import threading
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvshare.api.wire import (
@@ -52,6 +49,7 @@ from kvshare.api.wire import (
 )
 from kvshare.deviceplugin.broker import peers, pool_messages
 from kvshare.deviceplugin.broker.books import Books, BrokerEvents, Send
+from kvshare.deviceplugin.broker.config import BrokerConfig, BrokerError
 from kvshare.deviceplugin.broker.connections import admin_requests, sockets
 from kvshare.deviceplugin.broker.connections.conn import Conn
 from kvshare.deviceplugin.broker.connections.gate import BrokerLimits, ConnectionGate
@@ -59,7 +57,7 @@ from kvshare.deviceplugin.broker.connections.listeners import Listeners
 from kvshare.deviceplugin.broker.connections.pidfds import Kind, ProcessWatch
 from kvshare.deviceplugin.broker.identity import PodDirectory, Refusal
 from kvshare.deviceplugin.broker.overrides import PodPolicies, PodPolicy, PolicyState
-from kvshare.deviceplugin.broker.policy import DEFAULT_POLICY, policy_named
+from kvshare.deviceplugin.broker.policy import policy_named
 from kvshare.deviceplugin.broker.state import AdmittedPools, load_expected
 from kvshare.deviceplugin.broker.throttle import ThrottledLog
 from kvshare.deviceplugin.broker.verification import WAIT, Verifier
@@ -73,31 +71,6 @@ log = logging.getLogger(__name__)
 _RECV_BYTES = 1 << 16
 #: How often deadlines are checked (reclaims, orphaned connections, turns, recovery).
 _TICK_S = 0.05
-
-
-class BrokerError(RuntimeError):
-    """The broker cannot start; the message says what to change."""
-
-
-@dataclass(frozen=True)
-class BrokerConfig:
-    """Where the broker listens and how it lends."""
-
-    socket_path: Path
-    admin_path: Path | None = None
-    state_path: Path | None = None
-    headroom: int = 512 * 2**20
-    reclaim_deadline_s: float = 10.0
-    policy: str = DEFAULT_POLICY
-    """The broker policy's name (:data:`kvshare.deviceplugin.broker.policy.POLICIES`)."""
-    turn_hold_s: float = 600.0
-    orphan_grace_s: float = 0.5
-    orphan_wait_s: float = 10.0
-    recovery_s: float = 10.0
-    limits: BrokerLimits = field(default_factory=BrokerLimits)
-    verify: bool = False
-    """Under Kubernetes: bind every connection to a pod and check its first message
-    against what the pod was given (:meth:`Broker.set_pod_directory`); fail closed."""
 
 
 class Broker:
@@ -252,14 +225,29 @@ class Broker:
 
     @property
     def alive(self) -> bool:
-        """The loop turned within the last few seconds."""
-        return self._serving and time.monotonic() - self._beat < 5.0
+        """The loop turned within the last few seconds, or turns when woken now (an agent
+        stopped and continued has all its threads stale at once: the one asking must not
+        take the loop for stuck before it had a chance to turn)."""
+        if not self._serving:
+            return False
+        seen = self._beat
+        if time.monotonic() - seen < 5.0:
+            return True
+        self._wake()
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            if self._beat != seen:
+                return True
+            time.sleep(0.01)
+        return False
 
     @property
     def ready(self) -> bool:
         """Serving, and not waiting for pools of a previous broker."""
+        if not self.alive:
+            return False
         with self._lock:
-            return self.alive and not self._books.recovering
+            return not self._books.recovering
 
     # --- the loop -----------------------------------------------------------------------
 
@@ -277,7 +265,14 @@ class Broker:
                 # period rather than per message, keeping the per-message path small.
                 self._tick()
                 next_tick = now + _TICK_S
-            for key, mask in self._selector.select(max(next_tick - now, 0.0)):
+            events = self._selector.select(max(next_tick - now, 0.0))
+            # The loop turns: a stopped agent (SIGSTOP) that runs again is alive at once,
+            # not only once it has worked through what queued meanwhile.
+            self._beat = time.monotonic()
+            # New connections and admin requests first: after a stop, pools' reports have
+            # queued too, and `kvshare ctl` should not wait behind all of them.
+            events.sort(key=self._urgency)
+            for key, mask in events:
                 kind, value = key.data
                 try:
                     if kind == "conn":
@@ -300,6 +295,14 @@ class Broker:
                     # One bad event must never take the broker down.
                     log.exception("broker: unexpected error handling %s event", kind)
 
+    def _urgency(self, event: tuple[selectors.SelectorKey, int]) -> int:
+        """0 for new connections and admin requests, 1 for the rest."""
+        kind, value = event[0].data
+        if kind == "listen":
+            return 0
+        conn = self._conns.get(value) if kind == "conn" else None
+        return 0 if conn is not None and conn.role in ("admin", "new") else 1
+
     def _tick(self) -> None:
         now = time.monotonic()
         with self._lock:
@@ -310,10 +313,8 @@ class Broker:
         for conn_id in self._gate.overdue(now):
             conn = self._conns.get(conn_id)
             if conn is not None and conn.role == "new":
-                deadline = self._gate.limits.hello_deadline_s
-                self._refuse_untrusted(
-                    conn, Refusal("deadline", f"deadline: no first message within {deadline:g} s")
-                )
+                late = f"deadline: no first message within {self._gate.limits.hello_deadline_s:g} s"
+                self._refuse_untrusted(conn, Refusal("deadline", late))
         self._retry_waiting(now)
         self._listeners.resume(now)
         self._error_log.flush()

@@ -55,6 +55,7 @@ def load_expected(path: Path) -> list[ExpectedPool]:
                     gpu=str(e["gpu"]),
                     static=int(e["static"]),
                     kv_min=int(e["kv_min"]),
+                    gpu_total=int(e.get("gpu_total", 0)),
                 ),
                 e.get("start_time"),
             )
@@ -93,6 +94,7 @@ class AdmittedPools:
                 gpu=record.gpu,
                 static=record.static,
                 kv_min=record.kv_min,
+                gpu_total=record.sized_for,
             ),
             started,
         )

