@@ -36,11 +36,11 @@ PAGE = 16 * 2**10  # 16 tokens x 2 KV heads x 64 x fp16 x K and V x 2 layers: on
 VIRTUAL = 40 * PAGE  # 40 blocks: no other dimension of a view has that size
 
 
-def build_and_check(scratch: Path) -> dict[str, object]:
+def _activate(scratch: Path) -> None:
+    """kvshare active for vLLM on the host backend, pages of one block, a fixed lease."""
     from kvshare.api import env
-    from kvshare.runtime.engines import pools, vllm_common
+    from kvshare.runtime.engines import pools
     from kvshare.runtime.engines.activation import activate
-    from kvshare.runtime.rank_server import RankServer
     from tests.runtime.support import MovableLease
 
     activate("vllm")
@@ -54,6 +54,12 @@ def build_and_check(scratch: Path) -> dict[str, object]:
         os.environ[variable.name] = value
     pools.lease_for = lambda role: MovableLease(env.KV_LIMIT.require())  # type: ignore[assignment]
 
+
+def build_and_check(scratch: Path) -> dict[str, object]:
+    from kvshare.runtime.engines import pools, vllm_common
+    from kvshare.runtime.rank_server import RankServer
+
+    _activate(scratch)
     from vllm.config import DeviceConfig, VllmConfig
     from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
     from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts
@@ -76,9 +82,11 @@ def build_and_check(scratch: Path) -> dict[str, object]:
     config = get_kv_cache_config_from_groups(vllm_config, [KVCacheGroupSpec(LAYERS, spec)], VIRTUAL)
     config.kv_cache_layout = layout.name  # as the engine core records it
     group = vllm_common.Group(f"blockouter-{os.getpid()}", 1)
-    with vllm_common.worker_context(group, 0, supported, "FLASH_ATTN supports any layout"):
-        with fake_gpu.host_tensors():
-            views = attn_utils.allocate_kv_cache(config, torch.device("cuda:0"), layout, None)
+    with (
+        vllm_common.worker_context(group, 0, supported, "FLASH_ATTN supports any layout"),
+        fake_gpu.host_tensors(),
+    ):
+        views = attn_utils.allocate_kv_cache(config, torch.device("cuda:0"), layout, None)
     with vllm_common.scheduler_context(group, vllm_config.cache_config):
         manager = KVCacheManager(
             config,
