@@ -18,10 +18,11 @@ anything else; ``per-layer`` leaves vLLM's own order alone.
 
 Which backends support what, per line, is read from each backend's
 ``supported_kv_cache_layouts`` (``None``: any layout): FLASH_ATTN, TRITON_ATTN and most MLA
-backends accept any; FlashInfer all but ``LHBNC`` (``LBHNC``/``BLHNC`` on sm100);
-FlexAttention, the ROCm backends and ``CPU_ATTN`` (vLLM's CPU build:
+backends accept any; FlashInfer any up to 0.33 and the four it names (``LBNHC``, ``LBHNC``,
+``BLNHC``, ``BLHNC``) in 0.34 (``LBHNC``/``BLHNC`` on sm100); FlexAttention, hpc_attn,
+turboquant, the ROCm backends and ``CPU_ATTN`` (vLLM's CPU build:
 ``vllm/v1/attention/backends/cpu_attn.py``, ``CPUAttentionBackend.supported_kv_cache_layouts``
-returns ``(LBHNC,)`` in 0.30 and 0.32) are layer-outer only.
+returns ``(LBHNC,)`` on every supported line) are layer-outer only.
 """
 
 from __future__ import annotations
