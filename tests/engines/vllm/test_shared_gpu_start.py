@@ -167,3 +167,32 @@ def test_two_colocated_workers_size_their_kv_caches_from_kvshare_and_neither_cla
         assert result["kv_bytes"] == TOTAL - STATIC
     turns = agent.view().gpus[0]
     assert turns.turn_holder == "" and turns.turn_waiting == 0  # both turns taken and given back
+
+
+#: Parses flags with the line's own command-line parser (``vllm serve``'s engine flags), on
+#: the stand-in device layer vLLM's defaults need; prints what the cache config says.
+_PARSE = """
+import json, sys
+from tests.engines.vllm import fake_gpu
+fake_gpu.install(fake_gpu.Gpu(total=80 * fake_gpu.GIB, held_by_others=0))
+from vllm.engine.arg_utils import EngineArgs
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+args = EngineArgs.add_cli_args(FlexibleArgumentParser()).parse_args(sys.argv[1:])
+print(json.dumps({"extensible": args.enable_extensible_kv_cache}))
+"""
+
+
+def test_the_memory_flags_the_operator_renders_are_the_line_s_own(line: SupportedLine) -> None:
+    if not line.memory_flags:
+        pytest.skip(f"vLLM {line.label} needs no memory flags")
+    done = subprocess.run(
+        [sys.executable, "-c", _PARSE, *line.memory_flags],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    # vLLM 0.34: the extensible KV cache is off by the operator's flag, not left to vLLM.
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == {"extensible": False}
