@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 BLOCKS: dict[str, tuple[str, Callable[[], str]]] = {
     "env-table": ("docs/configuration.md", env.markdown_table),
     "engine-support": ("docs/engines.md", engine_docs.support_table),
+    "readme-engine-support": ("README.md", engine_docs.support_table),
     "engine-patches": ("docs/engines.md", engine_docs.patch_table),
     "node-metrics": ("docs/metrics.md", node_metrics.markdown_table),
 }

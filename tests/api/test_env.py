@@ -26,7 +26,7 @@ def test_values_parse_with_defaults() -> None:
     [
         (env.PAGE_SIZE, "2MB", "'2MB' is not a valid quantity"),
         (env.ENABLE, "maybe", "expected 1/0, true/false"),
-        (env.LAYOUT, "paged", "expected one of per-layer, contiguous"),
+        (env.LAYOUT, "paged", "expected one of auto, block-outer, per-layer"),
         (env.RESERVE_PAGES, "-1", "must be >= 0"),
         (env.STARTUP_TIMEOUT, "0", "must be a number of seconds > 0"),
     ],

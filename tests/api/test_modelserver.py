@@ -152,7 +152,8 @@ def test_supported_versions_match_by_whole_components() -> None:
 def test_unknown_or_unsupported_versions_say_what_to_set() -> None:
     parsed = validate(ModelServerSpec, spec(image="vllm/vllm-openai:latest"))
     with pytest.raises(
-        EngineVersionError, match=r"set spec.engineVersion \(supported: 0.33.x, 0.32.x, 0.30.x\)"
+        EngineVersionError,
+        match=r"set spec.engineVersion \(supported: 0.34.x, 0.33.x, 0.32.x, 0.30.x\)",
     ):
         parsed.engine_version_resolved()
     parsed = validate(ModelServerSpec, spec(image="vllm/vllm-openai:v0.20.1"))

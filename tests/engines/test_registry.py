@@ -24,6 +24,7 @@ def test_releases_parse_without_local_or_pre_parts(version: str, release: tuple[
 @pytest.mark.parametrize(
     ("engine", "version", "module"),
     [
+        ("vllm", "0.34.0", "vllm_v0_34"),
         ("vllm", "0.33.0", "vllm_v0_33"),
         ("vllm", "0.33.2+cu130", "vllm_v0_33"),
         ("vllm", "0.30.1", "vllm_v0_30"),
@@ -40,8 +41,8 @@ def test_supported_versions_find_their_patch_module(engine: str, version: str, m
 @pytest.mark.parametrize(
     ("engine", "version", "listed"),
     [
-        ("vllm", "0.31.0", "0.33.x, 0.32.x, 0.30.x"),
-        ("vllm", "0.34.0", "0.33.x, 0.32.x, 0.30.x"),
+        ("vllm", "0.31.0", "0.34.x, 0.33.x, 0.32.x, 0.30.x"),
+        ("vllm", "0.35.0", "0.34.x, 0.33.x, 0.32.x, 0.30.x"),
         ("sglang", "0.5.21", "0.5.23, 0.5.20"),
         ("sglang", "nightly", "0.5.23, 0.5.20"),
     ],

@@ -71,6 +71,16 @@ def test_memory_sizing_flags_the_runtime_replaces_are_never_passed(engine_name: 
         assert flag not in command
 
 
+def test_a_vllm_0_34_pod_turns_vllm_s_own_kv_reservation_off_before_the_users_flags() -> None:
+    # vLLM 0.34's extensible KV cache would reserve the KV memory itself and default the
+    # memory utilization to the whole GPU; kvshare's pool is the KV allocation.
+    pod = render(image="vllm/vllm-openai:v0.34.0", engineArgs=["--max-model-len", "8192"])
+    assert engine(pod)["command"][-3:] == [
+        "--no-enable-extensible-kv-cache", "--max-model-len", "8192",
+    ]  # fmt: skip
+    assert "--no-enable-extensible-kv-cache" not in engine(render())["command"]  # 0.33
+
+
 def test_pod_is_pinned_to_its_node_by_required_affinity_and_names_its_gpus() -> None:
     pod = render()
     terms = pod["spec"]["affinity"]["nodeAffinity"][

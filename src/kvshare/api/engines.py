@@ -64,6 +64,10 @@ class SupportedLine:
     """The exact release the test environment installs (``make engines``)."""
     ownership: Literal["local", "coordinated"]
     """Who maps a tensor-parallel group's pages (DESIGN §2)."""
+    memory_flags: tuple[str, ...] = ()
+    """Flags the operator adds to the engine's command line so that its own memory
+    sizing stays out of the way of kvshare's pool (vLLM 0.34: its extensible KV cache,
+    which would reserve the KV memory itself and claim the whole GPU)."""
 
     def covers(self, version: str) -> bool:
         """Whether ``version`` belongs to this line."""
@@ -92,6 +96,15 @@ def _padded(release: tuple[int, ...]) -> tuple[int, ...]:
 
 #: Every supported engine line, newest first within an engine.
 SUPPORTED: tuple[SupportedLine, ...] = (
+    SupportedLine(
+        "vllm",
+        "0.34.0",
+        "0.35",
+        "vllm_v0_34",
+        "0.34.0",
+        "coordinated",
+        memory_flags=("--no-enable-extensible-kv-cache",),
+    ),
     SupportedLine("vllm", "0.33.0", "0.34", "vllm_v0_33", "0.33.0", "coordinated"),
     SupportedLine("vllm", "0.32.0", "0.33", "vllm_v0_32", "0.32.0", "coordinated"),
     SupportedLine("vllm", "0.30.0", "0.31", "vllm_v0_30", "0.30.0", "coordinated"),

@@ -178,9 +178,12 @@ PAGE_SIZE = EnvVar(
 )
 LAYOUT = EnvVar(
     "KVSHARE_LAYOUT",
-    "per-layer",
-    "KV layout: per-layer (one buffer per layer and K/V) or contiguous (one buffer)",
-    _choice("per-layer", "contiguous"),
+    "auto",
+    "what one KV page holds: auto (whole blocks of every layer where vLLM's attention "
+    "backends and the model allow a block-outer KV layout, else one page per layer, the "
+    "reason logged and in /metrics), block-outer (that, or start-up fails saying why) or "
+    "per-layer (vLLM's own layout preference; SGLang is always per-layer)",
+    _choice("auto", "block-outer", "per-layer"),
     "runtime",
 )
 RESERVE_PAGES = EnvVar(

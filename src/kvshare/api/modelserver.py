@@ -119,6 +119,8 @@ ENGINE_COMMAND_LINES: dict[str, EngineCommandLine] = {
             "--gpu-memory-utilization",
             "--kv-cache-memory-bytes",
             "--num-gpu-blocks-override",
+            "--enable-extensible-kv-cache",
+            "--no-enable-extensible-kv-cache",
         ),
     ),
     "sglang": EngineCommandLine(

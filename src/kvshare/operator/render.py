@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvshare.api import env, kvpolicy, names
+from kvshare.api.engines import find_line
 from kvshare.api.modelserver import ENGINE_COMMAND_LINES, ModelServerSpec
 from kvshare.api.placement import Placement
 from kvshare.operator.plan import pod_name
@@ -213,11 +214,12 @@ def _runtime_env(existing: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def _engine_container(
     spec: ModelServerSpec, ms: ModelServerRef, kv_capacity: int | None
 ) -> dict[str, Any]:
+    line = find_line(spec.engine, spec.engine_version_resolved())
     command = ENGINE_COMMAND_LINES[spec.engine].argv(
         model=spec.model,
         port=spec.port,
         tensor_parallel_size=spec.tensor_parallel_size,
-        extra=spec.engine_args,
+        extra=(*line.memory_flags, *spec.engine_args),
     )
     policy = [
         {"name": env.MODELSERVER.name, "value": ms.name},

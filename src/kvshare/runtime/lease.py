@@ -51,6 +51,13 @@ class PoolUsage:
     """The lease the pool honoured when it took these numbers (``None``: not known). A
     source learns from it that a lowered lease was in force, so the pool held no more
     than it reports from then on."""
+    page_bytes: int = 0
+    """Physical bytes the pool maps and unmaps at a time (one logical page; 0: unknown)."""
+    layout: str = ""
+    """What one page holds (:class:`kvshare.runtime.paging.Paging`): ``block-outer`` or
+    ``per-layer`` (``""``: not stated)."""
+    layout_reason: str = ""
+    """Why the pool keeps per-layer pages (:data:`kvshare.runtime.paging.LAYOUT_REASONS`)."""
 
     @property
     def held(self) -> int:

@@ -160,6 +160,9 @@ class LeaseConversation:
             cached=usage.cached,
             reserved=usage.reserved,
             ack=ack,
+            page_bytes=usage.page_bytes,
+            layout=usage.layout,
+            layout_reason=usage.layout_reason,
         )
         self._sent_reports = self._reports
         self._last_report_at = now

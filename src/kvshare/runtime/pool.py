@@ -74,6 +74,7 @@ from kvshare.runtime.fence import StepFence
 from kvshare.runtime.geometry import KVGeometry
 from kvshare.runtime.lease import LeaseSource, PoolUsage
 from kvshare.runtime.ownership import LocalOwnership, Ownership
+from kvshare.runtime.paging import Paging
 from kvshare.runtime.pool_blocks import NULL_BLOCK, Exhausted, PageBlocks
 from kvshare.runtime.pool_eviction import Eviction, Evictor
 from kvshare.runtime.pool_lease import WANT_RETRY_S, LeaseLimit
@@ -118,6 +119,7 @@ class KVPool:
         report_interval_s: float = 5.0,
         lease_timeout_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
+        paging: Paging | None = None,
     ) -> None:
         if reserve_pages < 0:
             raise PoolError(f"reserve_pages must be >= 0, not {reserve_pages}")
@@ -125,6 +127,8 @@ class KVPool:
         self.backend = backend
         self.lease = lease
         self.ownership = ownership or LocalOwnership()
+        self.paging = paging or Paging()
+        """What one page holds (block-outer or per-layer), and why: told to the lease."""
         self._reserve_pages = reserve_pages
         self._page_bytes = page_bytes = geometry.page_bytes
 
@@ -178,14 +182,14 @@ class KVPool:
             thread.start()
             self._wake.set()
         log.info(
-            "KV pool ready: %d blocks of %d bytes x %d buffers (%s), %d pages of %d bytes, "
+            "KV pool ready: %d blocks of %d bytes x %d buffers, %d pages of %d bytes (%s), "
             "lease %d bytes, %r",
             geometry.num_blocks,
             geometry.block_bytes,
             geometry.num_buffers,
-            geometry.layout,
             usable_pages,
             page_bytes,
+            self.paging.layout,
             self._limit.bytes,
             self.ownership,
         )
@@ -550,6 +554,8 @@ class KVPool:
                 available_blocks=self._available(),
                 allocations=self._allocs,
                 waits=self._waits,
+                page_bytes=pb,
+                paging=self.paging,
             )
 
     def mapped_pages(self) -> frozenset[int]:

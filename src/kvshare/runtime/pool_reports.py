@@ -9,9 +9,10 @@ maintenance only (under its ``_maintain_lock``), so it needs no lock of its own.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvshare.runtime.lease import LeaseSource, PoolUsage
+from kvshare.runtime.paging import Paging
 
 __all__ = ["PoolSnapshot", "Reporter"]
 
@@ -44,6 +45,10 @@ class PoolSnapshot:
     """``alloc`` calls that asked for at least one block."""
     waits: int
     """``alloc`` calls that had to create a page on the spot (the reserve was empty)."""
+    page_bytes: int = 0
+    """Physical memory one logical page maps: the pool's unit of growth and shrinking."""
+    paging: Paging = field(default_factory=Paging)
+    """What one page holds (block-outer or per-layer), and why."""
 
     @property
     def held(self) -> int:
@@ -58,6 +63,9 @@ class PoolSnapshot:
             cached=self.cached,
             reserved=self.reserved,
             limit=self.limit,
+            page_bytes=self.page_bytes,
+            layout=self.paging.layout,
+            layout_reason=self.paging.reason,
         )
 
 

@@ -42,6 +42,7 @@ from kvshare.runtime.geometry import KVGeometry
 from kvshare.runtime.lease import LeaseSource, PoolUsage
 from kvshare.runtime.ownership import check_rank
 from kvshare.runtime.pages import PageSpace
+from kvshare.runtime.paging import Paging
 from kvshare.runtime.peer_protocol import (
     PAGE_OPS,
     ProtocolError,
@@ -83,9 +84,12 @@ class RankServer:
         rank: int,
         world_size: int,
         namespace: str | None = None,
+        paging: Paging | None = None,
     ) -> None:
         check_rank(rank, world_size)
         self.geometry = geometry
+        self.paging = paging or Paging()
+        """What one page holds (block-outer or per-layer), and why: told to the lease."""
         self.backend = backend
         self.lease = lease
         self.group = group
@@ -163,6 +167,9 @@ class RankServer:
                 cached=min(int(usage.get("cached", 0)), mapped),
                 reserved=created - mapped,
                 limit=None if limit is None else int(limit),
+                page_bytes=page_bytes,
+                layout=self.paging.layout,
+                layout_reason=self.paging.reason,
             )
         )
 

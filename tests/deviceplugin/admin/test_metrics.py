@@ -116,3 +116,71 @@ def test_an_exporter_that_cannot_render_answers_500_and_is_not_ready() -> None:
         assert status == 503 and body.startswith("metrics exporter cannot serve")
     finally:
         server.stop()
+
+
+def test_each_pool_s_page_size_and_layout_reach_metrics_from_its_own_reports(
+    agent_factory: Callable[..., AgentProcess],
+) -> None:
+    """Real pools (host memory) report to a real node agent; its /metrics says what one
+    page of each moves and, for per-layer pages, why."""
+    from kvshare.runtime.backends import open_backend
+    from kvshare.runtime.broker_client import BrokerLease, PoolIdentity, PoolPolicy
+    from kvshare.runtime.geometry import KVGeometry
+    from kvshare.runtime.paging import Paging
+    from kvshare.runtime.pool import KVPool
+
+    agent = agent_factory("1x8Gi")
+    granule = 2 * 2**20
+    pools = []
+    # A block-outer pool: one buffer of 4 MiB blocks (64 tokens of an 8B model), a page
+    # of two granules; a per-layer one: a granule in each of 32 layers' buffers.
+    cases = {
+        "block": (KVGeometry(1, 2 * granule, 64, 2 * granule), Paging("block-outer")),
+        "layers": (
+            KVGeometry(32, granule // 8, 64, granule, "per-layer"),
+            Paging("per-layer", "backend", "FLEX_ATTENTION supports LBNHC"),
+        ),
+    }
+    try:
+        for pod, (geometry, paging) in cases.items():
+            lease = BrokerLease(
+                agent.gpus[0].uuid,
+                policy=PoolPolicy(kv_min=geometry.page_bytes, page_size=granule),
+                identity=PoolIdentity(namespace="llm", pod=pod),
+                socket_path=str(agent.broker_socket),
+                report_interval_s=0.01,
+            )
+            pools.append(KVPool(geometry, open_backend("host"), lease, paging=paging))
+        wait_until(
+            lambda: all(p.page_bytes for p in agent.pools().values()), what="both pools' reports"
+        )
+        text = agent.metrics()
+    finally:
+        for pool in pools:
+            pool.close()
+    samples = _samples(text)
+    gpu = agent.gpus[0].uuid
+    block = {"gpu": gpu, "namespace": "llm", "pod": "block", "pool": "llm/block", "rank": "0"}
+    layers = {**block, "pod": "layers", "pool": "llm/layers"}
+    assert samples["kvshare_pool_kv_page_bytes", _labels(block)] == 2 * granule
+    assert samples["kvshare_pool_kv_page_bytes", _labels(layers)] == 32 * granule
+    assert samples[LAYOUT, _labels({**block, "layout": "block-outer", "reason": ""})] == 1
+    assert samples[LAYOUT, _labels({**layers, "layout": "per-layer", "reason": "backend"})] == 1
+
+
+LAYOUT = "kvshare_pool_kv_layout_info"
+
+
+def _labels(labels: dict[str, str]) -> frozenset[tuple[str, str]]:
+    return frozenset({"modelserver": "", **labels}.items())
+
+
+def _samples(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    """Prometheus text samples by name and label set."""
+    found = {}
+    for line in text.splitlines():
+        match = re.fullmatch(r"(\w+)\{(.*)\} (\S+)", line)
+        if match:
+            labels = frozenset(re.findall(r'(\w+)="([^"]*)"', match.group(2)))
+            found[match.group(1), labels] = float(match.group(3))
+    return found

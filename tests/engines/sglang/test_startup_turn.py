@@ -81,3 +81,18 @@ def test_a_start_up_that_fails_gives_the_turn_back(agent: AgentProcess) -> None:
         sglang_common.taking_the_startup_turn(lambda _: (0, 1))(init_model_worker)(object())
     gpu = agent.view().gpus[0]
     assert (gpu.turn_holder, gpu.static) == ("", 0)
+
+
+def test_sglangs_own_vmm_arena_is_refused_before_the_rank_takes_its_turn(
+    agent: AgentProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # SGLang 0.5.23's post-capture KV sizing reserves the KV cache in a VMM arena of its
+    # own: with kvshare's pool that would be a second reservation for one KV cache.
+    started: list[object] = []
+    monkeypatch.setenv("SGLANG_ENABLE_POST_CAPTURE_KV_SIZING", "1")
+    rank = sglang_common.taking_the_startup_turn(lambda _: (0, 1))
+    with pytest.raises(pools.EngineConfigError, match="SGLANG_ENABLE_POST_CAPTURE_KV_SIZING=0"):
+        rank(started.append)(SimpleNamespace())
+    assert started == []  # no weights loaded, nothing reserved
+    view = agent.view()
+    assert (view.gpus[0].turn_holder, view.gpus[0].static, view.pools) == ("", 0, [])

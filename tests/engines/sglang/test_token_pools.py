@@ -232,3 +232,19 @@ def test_an_allocator_kvshare_does_not_serve_is_refused_at_start_up(env: None) -
     cache = build(page_size=1)
     with pytest.raises(EngineConfigError, match="does not serve SGLang's OtherAllocator"):
         OtherAllocator(SIZE, torch.float16, "cpu", cache.kvcache, need_sort=False)
+
+
+def test_sglangs_own_vmm_arena_is_refused_naming_its_variable(
+    env: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvshare.runtime.engines.pools import EngineConfigError
+
+    cache = build(page_size=1)
+    # The KV pool's own path to the arena (taken when SGLang sizes KV after graph capture)
+    # never reserves it beside kvshare's pool.
+    with pytest.raises(EngineConfigError, match="SGLANG_ENABLE_POST_CAPTURE_KV_SIZING=0"):
+        cache.kvcache._alloc_post_capture_buffers()
+    # And the setting itself stops start-up before anything is reserved.
+    monkeypatch.setenv(sglang_common.VMM_ARENA_VARIABLE, "1")
+    with pytest.raises(EngineConfigError, match="one KV cache gets one reservation"):
+        sglang_common.refuse_vmm_arena()

@@ -118,6 +118,9 @@ def _platform_class(gpu: Gpu) -> type:
         def check_if_supports_dtype(cls, dtype: Any) -> None:
             pass
 
+        def is_cuda_alike(self) -> bool:
+            return True  # a CUDA device: vLLM takes its CUDA (and ROCm) paths
+
         @classmethod
         def current_device(cls) -> int:
             return 0
@@ -167,6 +170,13 @@ def install(gpu: Gpu) -> None:
     cuda.synchronize = lambda device=None: None
     cuda.mem_get_info = lambda device=None: (gpu.free, gpu.total)
     vllm.platforms._current_platform = _platform_class(gpu)()  # type: ignore[attr-defined]
+    # A GPU machine has Triton: vLLM 0.34's GPU worker refuses to start without it (its
+    # only model runner, V2, compiles Triton kernels, none of which runs before the KV
+    # cache exists). Only the worker's own check is told so; the modules that would load
+    # Triton's kernels keep their stand-ins.
+    from vllm.v1.worker import gpu_worker
+
+    gpu_worker.HAS_TRITON = True
 
 
 @contextlib.contextmanager

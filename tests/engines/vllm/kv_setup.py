@@ -16,8 +16,10 @@ VIRTUAL = 2 * 2**20  # 128 blocks
 LEASE_PAGES = 5  # page 0 (with the null block) and 4 more: 39 usable blocks
 
 
-def kv_cache_config(num_bytes: int) -> tuple[Any, Any]:
-    """vLLM's own plan for two full-attention layers in ``num_bytes``."""
+def kv_cache_config(num_bytes: int, layout: str = "LBHNC") -> tuple[Any, Any, Any]:
+    """vLLM's own plan for two full-attention layers in ``num_bytes`` under ``layout``: the
+    KV cache config (its layout recorded, as the engine core records it), the layout, and
+    the cache config it was resolved on (what the scheduler sees)."""
     from vllm.config import DeviceConfig, VllmConfig
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
 
@@ -27,13 +29,26 @@ def kv_cache_config(num_bytes: int) -> tuple[Any, Any]:
         from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups
 
     vllm_config = VllmConfig(device_config=DeviceConfig(device="cpu"))
-    vllm_config.cache_config.kv_cache_layout = "LBHNC"
+    vllm_config.cache_config.kv_cache_layout = layout
     spec = FullAttentionSpec(
         block_size=BLOCK_TOKENS, num_kv_heads=2, head_size=64, dtype=torch.float16
     )
     groups = [KVCacheGroupSpec(LAYERS, spec)]
     config = get_kv_cache_config_from_groups(vllm_config, groups, num_bytes)
-    return config, vllm_config.cache_config.get_resolved_kv_cache_layout()
+    config.kv_cache_layout = layout
+    cache_config = vllm_config.cache_config
+    return config, cache_config.get_resolved_kv_cache_layout(), cache_config
+
+
+def allocate(config: Any, layout: Any, device: str = "cpu") -> dict[str, torch.Tensor]:
+    """The worker's KV cache views, through the model runner's ``allocate_kv_cache`` (the
+    V2 runner's, which every supported line has; 0.34 has no other)."""
+    from vllm.v1.worker.gpu import attn_utils
+
+    views: dict[str, torch.Tensor] = attn_utils.allocate_kv_cache(
+        config, torch.device(device), layout, None
+    )
+    return views
 
 
 #: A Llama of two small layers (a ``config.json``, no weights): enough for vLLM's configs.

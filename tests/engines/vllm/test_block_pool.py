@@ -32,6 +32,7 @@ from tests.engines.vllm.kv_setup import (
     LEASE_PAGES,
     PAGE,
     VIRTUAL,
+    allocate,
     kv_cache_config,
 )
 
@@ -63,17 +64,16 @@ class Engine:
 @pytest.fixture
 def engine(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Engine]:
     from vllm.v1.core.kv_cache_manager import KVCacheManager
-    from vllm.v1.worker import gpu_model_runner
 
     activate("vllm")
     standalone_host_pools(
         monkeypatch, tmp_path, page_size=PAGE, lease=LEASE_PAGES * len(LAYERS) * PAGE
     )
-    config, layout = kv_cache_config(VIRTUAL)
+    config, layout, cache_config = kv_cache_config(VIRTUAL)
     group = vllm_common.Group(f"t{os.getpid()}-{next(_groups)}", 1)
     with vllm_common.worker_context(group, 0):
-        kv_caches = gpu_model_runner.allocate_kv_cache(config, torch.device("cpu"), layout, None)
-    with vllm_common.scheduler_context(group, layout):
+        kv_caches = allocate(config, layout)
+    with vllm_common.scheduler_context(group, cache_config):
         manager = KVCacheManager(
             config,
             max_model_len=1024,

@@ -33,6 +33,7 @@ from tests.engines.vllm.kv_setup import (
     LEASE_PAGES,
     PAGE,
     VIRTUAL,
+    allocate,
     kv_cache_config,
     model_config,
 )
@@ -61,13 +62,12 @@ def engine(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Engine]:
     from vllm.config import CacheConfig, DeviceConfig, VllmConfig
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.structured_output import StructuredOutputManager
-    from vllm.v1.worker import gpu_model_runner
 
     activate("vllm")
     standalone_host_pools(
         monkeypatch, tmp_path, page_size=PAGE, lease=LEASE_PAGES * len(LAYERS) * PAGE
     )
-    kv_config, layout = kv_cache_config(VIRTUAL)
+    kv_config, layout, _ = kv_cache_config(VIRTUAL)
     config = VllmConfig(
         model_config=model_config(tmp_path),
         device_config=DeviceConfig(device="cpu"),
@@ -81,7 +81,7 @@ def engine(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Engine]:
     config.scheduler_config.async_scheduling = True
     config.cache_config.num_gpu_blocks = kv_config.num_blocks  # as EngineCore sets it
     with vllm_common.worker_context(vllm_common.group_of(config), 0):
-        kv_caches = gpu_model_runner.allocate_kv_cache(kv_config, torch.device("cpu"), layout, None)
+        kv_caches = allocate(kv_config, layout)
     scheduler = AsyncScheduler(
         vllm_config=config,
         kv_cache_config=kv_config,
@@ -119,11 +119,10 @@ def output(tokens: dict[str, int]) -> Any:
     from vllm.v1.outputs import ModelRunnerOutput
 
     ids = list(tokens)
-    return ModelRunnerOutput(
-        req_ids=ids,
-        req_id_to_index={rid: i for i, rid in enumerate(ids)},
-        sampled_token_ids=[[tokens[rid]] for rid in ids],
-    )
+    fields = {"req_ids": ids, "sampled_token_ids": [[tokens[rid]] for rid in ids]}
+    if "req_id_to_index" in ModelRunnerOutput.__dataclass_fields__:  # up to 0.33
+        fields["req_id_to_index"] = {rid: i for i, rid in enumerate(ids)}
+    return ModelRunnerOutput(**fields)
 
 
 class Attention:

@@ -105,8 +105,8 @@ def test_both_workers_map_the_pages_of_the_blocks_the_scheduler_hands_out(
 
     group, ranks = workers
     activate("vllm")
-    config, layout = kv_cache_config(VIRTUAL)
-    with vllm_common.scheduler_context(vllm_common.Group(group, WORLD_SIZE), layout):
+    config, _, cache_config = kv_cache_config(VIRTUAL)
+    with vllm_common.scheduler_context(vllm_common.Group(group, WORLD_SIZE), cache_config):
         manager = KVCacheManager(
             config,
             max_model_len=1024,

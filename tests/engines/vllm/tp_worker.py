@@ -18,7 +18,7 @@ import torch
 from kvshare.runtime.engines import pools, vllm_common
 from kvshare.runtime.engines.activation import activate
 from kvshare.runtime.rank_server import RankServer
-from tests.engines.vllm.kv_setup import LAYERS, VIRTUAL, kv_cache_config
+from tests.engines.vllm.kv_setup import LAYERS, VIRTUAL, allocate, kv_cache_config
 
 
 def main() -> int:
@@ -28,13 +28,11 @@ def main() -> int:
     parser.add_argument("--world-size", type=int, required=True)
     args = parser.parse_args()
 
-    from vllm.v1.worker import gpu_model_runner
-
     activate("vllm")
-    config, layout = kv_cache_config(VIRTUAL)
+    config, layout, _ = kv_cache_config(VIRTUAL)
     group = vllm_common.Group(args.group, args.world_size)
     with vllm_common.worker_context(group, args.rank):
-        views = gpu_model_runner.allocate_kv_cache(config, torch.device("cpu"), layout, None)
+        views = allocate(config, layout)
     server = next(item for item in pools._opened if isinstance(item, RankServer))
     layer0 = views[LAYERS[0]]
     sys.stdout.write("ready\n")

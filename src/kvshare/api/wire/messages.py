@@ -11,7 +11,16 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from kvshare.api.wire.codec import Codec, Message
-from kvshare.api.wire.syntax import GpuId, GroupName, LabelValue, Namespace, ObjectName, Uid
+from kvshare.api.wire.syntax import (
+    GpuId,
+    GroupName,
+    LabelValue,
+    LayoutReasonName,
+    Namespace,
+    ObjectName,
+    PageLayoutName,
+    Uid,
+)
 
 __all__ = [
     "BROKER_CODEC",
@@ -84,7 +93,11 @@ class Report(Message):
     ``ack`` > 0 says the numbers were taken with the reclaim ``seq`` in force (its lower
     limit already applied, so the pool no longer grows beyond what it reports): the
     broker completes that reclaim once ``held`` fits its limit, and before that may hand
-    on what the pool already gave back.
+    on what the pool already gave back. ``page_bytes`` is the physical memory the pool
+    maps and unmaps at a time (one logical page), ``layout`` what a page holds
+    (``block-outer``: whole blocks of all layers; ``per-layer``: a granule of every
+    layer) and ``layout_reason`` why a pool keeps per-layer pages (0 and ``""``: not
+    stated).
     """
 
     TYPE: ClassVar[str] = "report"
@@ -93,6 +106,9 @@ class Report(Message):
     cached: int
     reserved: int
     ack: int = 0
+    page_bytes: int = 0
+    layout: PageLayoutName = ""
+    layout_reason: LayoutReasonName = ""
 
     @property
     def held(self) -> int:

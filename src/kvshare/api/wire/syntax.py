@@ -16,8 +16,10 @@ __all__ = [
     "GpuId",
     "GroupName",
     "LabelValue",
+    "LayoutReasonName",
     "Namespace",
     "ObjectName",
+    "PageLayoutName",
     "Syntax",
     "Uid",
 ]
@@ -106,6 +108,28 @@ GroupName = Annotated[
         128,
         _syntax(r"[A-Za-z0-9][-A-Za-z0-9_./]*"),
         optional=True,
+    ),
+]
+#: How a pool's pages hold the engine's blocks (``kvshare.runtime.paging``), or ``""``.
+PageLayoutName = Annotated[
+    str,
+    Syntax(
+        "a page layout (block-outer or per-layer)",
+        16,
+        _syntax(r"block-outer|per-layer"),
+        optional=True,
+        kind="message",
+    ),
+]
+#: Why a pool keeps per-layer pages (``kvshare.runtime.paging.LAYOUT_REASONS``), or ``""``.
+LayoutReasonName = Annotated[
+    str,
+    Syntax(
+        "a page layout reason (setting, engine-setting, backend, model, connector, engine)",
+        16,
+        _syntax(r"setting|engine-setting|backend|model|connector|engine"),
+        optional=True,
+        kind="message",
     ),
 ]
 #: A Kubernetes label value.

@@ -38,6 +38,9 @@ log = logging.getLogger(__name__)
 
 POOL_LABELS = ("namespace", "pod", "modelserver", "gpu", "rank", "pool")
 GPU_LABELS = ("gpu", "index")
+#: The pool's page layout: what one page holds and, for per-layer pages, why.
+LAYOUT_INFO = "kvshare_pool_kv_layout_info"
+LAYOUT_LABELS = (*POOL_LABELS, "layout", "reason")
 
 #: Per-GPU gauges: name -> (help, value from the view).
 _GPU_GAUGES: dict[str, tuple[str, Callable[[GpuView], float]]] = {
@@ -97,6 +100,11 @@ _POOL_GAUGES: dict[str, tuple[str, Callable[[PoolView], float | None]]] = {
         "KV bytes held only as prefix cache (evicted first on reclaim).",
         lambda p: p.cached,
     ),
+    "kvshare_pool_kv_page_bytes": (
+        "Physical bytes the pool maps and unmaps at a time (one logical page): its unit of "
+        "growth and shrinking (0 until it reports).",
+        lambda p: p.page_bytes,
+    ),
     "kvshare_pool_kv_reserved_bytes": (
         "Physical pages created ahead of demand, not mapped.",
         lambda p: p.reserved,
@@ -128,6 +136,10 @@ _POOL_GAUGES: dict[str, tuple[str, Callable[[PoolView], float | None]]] = {
 }
 
 
+def _pool_labels(pool: PoolView) -> tuple[str, ...]:
+    return (pool.namespace, pool.pod, pool.modelserver, pool.gpu, str(pool.rank), pool.name)
+
+
 class _BooksCollector(Collector):
     """Per-GPU and per-pool gauges, read from the books at scrape time."""
 
@@ -146,16 +158,19 @@ class _BooksCollector(Collector):
             for pool in view.pools if view else ():
                 sample = pool_value(pool)
                 if sample is not None:
-                    labels = (
-                        pool.namespace,
-                        pool.pod,
-                        pool.modelserver,
-                        pool.gpu,
-                        str(pool.rank),
-                        pool.name,
-                    )
-                    family.add_metric(labels, float(sample))
+                    family.add_metric(_pool_labels(pool), float(sample))
             yield family
+        layouts = GaugeMetricFamily(
+            LAYOUT_INFO,
+            "1 for the pool's page layout (block-outer: a page holds whole blocks of every "
+            "layer; per-layer: a granule of every layer) and why it keeps per-layer pages "
+            "(setting, engine-setting, backend, model, connector, engine).",
+            labels=LAYOUT_LABELS,
+        )
+        for pool in view.pools if view else ():
+            if pool.layout:
+                layouts.add_metric((*_pool_labels(pool), pool.layout, pool.layout_reason), 1.0)
+        yield layouts
         recovering = GaugeMetricFamily(
             "kvshare_broker_recovering",
             "1 while a restarted broker waits for pools to re-declare.",
@@ -385,6 +400,7 @@ def markdown_table() -> str:
         **metrics.labelnames,
         **dict.fromkeys(_GPU_GAUGES, GPU_LABELS),
         **dict.fromkeys(_POOL_GAUGES, POOL_LABELS),
+        LAYOUT_INFO: LAYOUT_LABELS,
     }
     rows = ["| metric | type | labels | meaning |", "|---|---|---|---|"]
     for family in metrics.registry.collect():

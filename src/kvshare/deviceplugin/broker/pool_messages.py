@@ -18,7 +18,8 @@ def apply(books: Books, pool_id: int, message: Message, now: float) -> list[Send
             raise ProtocolError("want: seq must be > 0")
         return books.want(pool_id, message.seq, message.total, now)
     if isinstance(message, Report):
-        if min(message.mapped, message.used, message.cached, message.reserved) < 0:
+        sizes = (message.mapped, message.used, message.cached, message.reserved)
+        if min(*sizes, message.page_bytes) < 0:
             raise ProtocolError("report: sizes must be >= 0")
         return books.report(pool_id, message, now)
     if isinstance(message, Bye):

@@ -47,6 +47,12 @@ class PoolView:
     """The connection is gone and the broker is waiting briefly for the process to exit
     or reconnect."""
     age_s: float
+    page_bytes: int = 0
+    """Physical memory the pool maps and unmaps at a time, as it reported (0: not yet)."""
+    layout: str = ""
+    """What one of its pages holds: ``block-outer`` or ``per-layer`` (``""``: not said)."""
+    layout_reason: str = ""
+    """Why it keeps per-layer pages (``kvshare.runtime.paging.LAYOUT_REASONS``)."""
     sized_for: int = 0
     """The GPU's memory its engine sized its KV cache for (0: not known)."""
 

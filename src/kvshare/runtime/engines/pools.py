@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from kvshare.runtime.backends import Backend, BackendKind
     from kvshare.runtime.geometry import KVGeometry
     from kvshare.runtime.lease import LeaseSource
+    from kvshare.runtime.paging import Paging
     from kvshare.runtime.pool import KVPool
     from kvshare.runtime.rank_server import RankServer
 
@@ -204,12 +205,18 @@ def _memory(device: torch.device | str, role: Role) -> tuple[int, Backend, Lease
 
 
 def open_local_pool(
-    geometry: KVGeometry, device: torch.device | str, role: Role, *, agreed: bool = False
+    geometry: KVGeometry,
+    device: torch.device | str,
+    role: Role,
+    *,
+    agreed: bool = False,
+    paging: Paging | None = None,
 ) -> KVPool:
     """A pool whose page operations never leave this process; the TP size is still reported.
 
     With ``agreed``, the pool's limit is what the rank's group agrees on at each step
-    (:class:`~kvshare.runtime.engines.group_lease.AgreedLease`).
+    (:class:`~kvshare.runtime.engines.group_lease.AgreedLease`); ``paging`` says what its
+    pages hold (reported to the node agent).
     """
     from kvshare.runtime.engines.group_lease import AgreedLease
     from kvshare.runtime.ownership import LocalOwnership
@@ -225,6 +232,7 @@ def open_local_pool(
         LocalOwnership(role.rank, role.world_size),
         reserve_pages=env.RESERVE_PAGES.require(),
         lease_chunk_bytes=_lease_chunk(),
+        paging=paging,
     )
     _remember(pool)
     log.info(
@@ -241,14 +249,26 @@ def open_local_pool(
 
 
 def open_rank(
-    geometry: KVGeometry, device: torch.device | str, role: Role, group: str
+    geometry: KVGeometry,
+    device: torch.device | str,
+    role: Role,
+    group: str,
+    *,
+    paging: Paging | None = None,
 ) -> RankServer:
-    """Serve this worker's device memory to its group's owner (tensors: ``.tensor``)."""
+    """Serve this worker's device memory to its group's owner (tensors: ``.tensor``);
+    ``paging`` says what its pages hold (reported to the node agent)."""
     from kvshare.runtime.rank_server import RankServer
 
     _, backend, lease = _memory(device, role)
     server = RankServer(
-        geometry, backend, lease, group=group, rank=role.rank, world_size=role.world_size
+        geometry,
+        backend,
+        lease,
+        group=group,
+        rank=role.rank,
+        world_size=role.world_size,
+        paging=paging,
     )
     _remember(server)
     return server

@@ -13,8 +13,12 @@ operations never leave the rank, while the real rank and TP size still reach the
   lent out, and the turn's reservation passes to the pool.
 - **Tensors** (``MHATokenToKVPool._create_buffers_normal``): K and V of every layer are
   adjacent buffers of the pool's reserved range, shaped as SGLang shapes them (one pool
-  block is one SGLang page; slot 0's page is the pool's reserved block 0). Quantized and
-  SGLang's own post-capture VMM buffers are refused: they would bypass the pool.
+  block is one SGLang page; slot 0's page is the pool's reserved block 0): pages are
+  per-layer, said once in the log and reported. Quantized buffers are refused: they would
+  bypass the pool. So is SGLang's own VMM arena (``SGLANG_ENABLE_POST_CAPTURE_KV_SIZING``,
+  ``kv_vmm_backing.KvVmmArena``), a second reservation for the same KV cache: the rank's
+  start-up refuses the setting before it loads anything, and the arena's buffers are
+  never allocated.
 - **Slots** (both token allocators): pages come from the pool for each allocation and go
   back to it when freed, with no device wait on that path (:mod:`.sglang_slots`).
 - **Eviction** (``RadixCache.__init__`` and ``Scheduler.ingest_requests``): the radix
@@ -41,6 +45,7 @@ from collections.abc import Callable
 from math import prod
 from typing import TYPE_CHECKING, Any, cast
 
+from kvshare.api import env
 from kvshare.runtime.engines import pools
 from kvshare.runtime.engines.group_lease import AgreedLease
 from kvshare.runtime.engines.patching import AnyCallable, Patch, PatchSet, Target
@@ -58,6 +63,7 @@ from kvshare.runtime.engines.sglang_slots import (
     returning_to_pool,
     token_pages,
 )
+from kvshare.runtime.paging import Paging
 
 if TYPE_CHECKING:
     import torch
@@ -106,6 +112,12 @@ def buffers_from_pool(original: AnyCallable) -> AnyCallable:
             raise EngineConfigError(
                 f"kvshare pages SGLang's nhd and hnd KV layouts, not {self.kv_cache_layout!r}"
             )
+        paging = Paging("per-layer", "engine", "SGLang's MHATokenToKVPool keeps K and V per layer")
+        if env.LAYOUT.require() == "block-outer":
+            raise EngineConfigError(
+                f"KVSHARE_LAYOUT=block-outer, but SGLang cannot give block-outer pages: "
+                f"{paging.describe()}; use KVSHARE_LAYOUT=auto"
+            )
         k_shape, v_shape = self._kv_buffer_shapes()
         if k_shape != v_shape:
             raise EngineConfigError(
@@ -124,7 +136,10 @@ def buffers_from_pool(original: AnyCallable) -> AnyCallable:
             layout="per-layer",
         )
         role = _rank_role()
-        pool = pools.open_local_pool(geometry, self.device, role, agreed=role.world_size > 1)
+        pool = pools.open_local_pool(
+            geometry, self.device, role, agreed=role.world_size > 1, paging=paging
+        )
+        log.info("kvshare: %s", paging.describe())
         shape = (num_blocks * rows_per_block, *k_shape[1:])
 
         def view(buffer: int) -> torch.Tensor:
@@ -150,6 +165,34 @@ def refusing(what: str) -> Callable[[AnyCallable], AnyCallable]:
         return refuse
 
     return wrap
+
+
+#: SGLang's switch for its own VMM arena (``kv_vmm_backing.KvVmmArena``).
+VMM_ARENA_VARIABLE = "SGLANG_ENABLE_POST_CAPTURE_KV_SIZING"
+_VMM_ARENA_REFUSAL = (
+    f"{VMM_ARENA_VARIABLE} makes SGLang reserve its KV cache in a virtual-memory arena of its "
+    "own (kv_vmm_backing.KvVmmArena) and size it after CUDA-graph capture; with kvshare the "
+    f"pool is the KV allocation and one KV cache gets one reservation: set "
+    f"{VMM_ARENA_VARIABLE}=0 (or unset KVSHARE_ENABLE to run without kvshare)"
+)
+
+
+def refuse_vmm_arena() -> None:
+    """Fail start-up when SGLang's own setting asks for its VMM arena."""
+    from sglang.srt.environ import envs
+
+    if envs.SGLANG_ENABLE_POST_CAPTURE_KV_SIZING.get():
+        raise EngineConfigError(_VMM_ARENA_REFUSAL)
+
+
+def refusing_vmm_arena(original: AnyCallable) -> AnyCallable:
+    """Wrapper for ``MHATokenToKVPool._alloc_post_capture_buffers``: the arena is never
+    reserved, whatever asked for it (the setting, or a model's own defaults)."""
+
+    def _alloc_post_capture_buffers(self: Any) -> None:
+        raise EngineConfigError(_VMM_ARENA_REFUSAL)
+
+    return _alloc_post_capture_buffers
 
 
 # --- eviction -------------------------------------------------------------------------
@@ -299,6 +342,7 @@ def taking_the_startup_turn(scheduler_rank: SchedulerRank) -> Callable[[AnyCalla
 
     def wrap(original: AnyCallable) -> AnyCallable:
         def init_model_worker(self: Any) -> None:
+            refuse_vmm_arena()  # before the turn and the weights: nothing to undo
             rank, world_size = scheduler_rank(self)
             # An engine's ranks are children of one launcher process: its pid names the group.
             group = f"{ENGINE}-{os.getppid()}"
@@ -361,7 +405,7 @@ def sglang_patch_set(
         ),
         Patch(
             Target(_POOL, "MHATokenToKVPool._alloc_post_capture_buffers", self_only),
-            refusing("post-capture KV backing"),
+            refusing_vmm_arena,
             "refused: would bypass the pool",
         ),
     ]

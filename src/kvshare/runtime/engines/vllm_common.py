@@ -63,6 +63,7 @@ from kvshare.runtime.engines.vllm_groups import (
     tp_rank,
     worker_context,
 )
+from kvshare.runtime.engines.vllm_layout import asking_for_block_outer, worker_layout_facts
 from kvshare.runtime.engines.vllm_tensors import (
     KernelBlockSize,
     PoolPlan,
@@ -151,7 +152,8 @@ def in_worker_group(original: AnyCallable) -> AnyCallable:
 
     def initialize_from_config(self: Any, kv_cache_config: Any) -> None:
         try:
-            with worker_context(group_of(self.vllm_config), tp_rank()):
+            supported, backends = worker_layout_facts(self)
+            with worker_context(group_of(self.vllm_config), tp_rank(), supported, backends):
                 original(self, kv_cache_config)
         finally:
             close_startup_turn(self)
@@ -163,8 +165,9 @@ def in_scheduler_group(original: AnyCallable) -> AnyCallable:
     """Wrapper for ``Scheduler.__init__``: its block pool becomes the group's owner."""
 
     def init(self: Any, vllm_config: Any, *args: Any, **kwargs: Any) -> None:
-        layout = vllm_config.cache_config.get_resolved_kv_cache_layout()
-        with scheduler_context(group_of(vllm_config), layout):
+        # The KV layout is read only if a pool is attached (attaching_block_pool): a
+        # scheduler built outside the engine core may not have one resolved.
+        with scheduler_context(group_of(vllm_config), vllm_config.cache_config):
             original(self, vllm_config, *args, **kwargs)
 
     return init
@@ -198,18 +201,40 @@ def attaching_block_pool(original: AnyCallable) -> AnyCallable:
                 "vLLM built a KV cache coordinator outside its scheduler; kvshare cannot tell "
                 "which engine's workers hold the memory"
             )
-        group, layout = context
-        plan = plan_pool(kv_cache_config, layout)
+        group, cache_config = context
+        plan = plan_pool(kv_cache_config, _resolved_layout(kv_cache_config, cache_config))
         attach(self.block_pool, pools.open_owner_pool(plan.geometry, group.name, group.world_size))
 
     return init
+
+
+def _resolved_layout(kv_cache_config: Any, cache_config: Any) -> Any:
+    """The KV layout the engine core resolved: the KV cache config's, else the cache
+    config's. Without either the workers' layout is unknown and the pool cannot mirror it."""
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    name = kv_cache_config.kv_cache_layout or cache_config.kv_cache_layout
+    if name is None:
+        raise EngineConfigError(
+            "vLLM built a scheduler with a KV cache but no resolved KV cache layout; kvshare "
+            "cannot tell how the workers lay it out (resolve it first, as vLLM's engine core "
+            "does)"
+        )
+    return KVCacheLayout[name]
 
 
 # --- the patch list -------------------------------------------------------------------
 
 _WORKER = "vllm.v1.worker"
 _CORE = "vllm.v1.core"
-_ALLOCATE = ("kv_cache_config", "device", "layout", "kernel_block_sizes")
+#: ``allocate_kv_cache``'s parameters up to 0.33 (0.34 adds ``allocate``).
+ALLOCATE_PARAMETERS = ("kv_cache_config", "device", "layout", "kernel_block_sizes")
+#: Where the model runners reach ``allocate_kv_cache`` up to 0.33: the V1 runner's module
+#: and the V2 runner's ``gpu.attn_utils``.
+ALLOCATORS = tuple(
+    Target(module, "allocate_kv_cache", ALLOCATE_PARAMETERS)
+    for module in (f"{_WORKER}.gpu_model_runner", f"{_WORKER}.gpu.attn_utils")
+)
 #: ``request_memory``'s parameters since 0.32 (0.30.x has no external weight memory).
 REQUEST_MEMORY_PARAMETERS = ("init_snapshot", "cache_config", "external_weight_memory")
 #: Constructor parameters every supported line shares; lines append their own.
@@ -273,14 +298,27 @@ def vllm_patch_set(
     allocate_slots_parameters: tuple[str, ...],
     deferred: tuple[Deferred, ...] = (),
     request_memory_parameters: tuple[str, ...] = REQUEST_MEMORY_PARAMETERS,
+    allocators: tuple[Target, ...] = ALLOCATORS,
+    free_blocks_parameters: tuple[str, ...] = ("self", "ordered_blocks"),
+    extra: tuple[Patch, ...] = (),
 ) -> PatchSet:
-    """The patches of one vLLM line. The lines keep the targets in the same places; they
-    differ in constructor and ``allocate_slots`` parameters and in how a tensor's kernel
-    block size is chosen. ``deferred``: sets applied when vLLM imports their module (its
-    CPU worker)."""
+    """The patches of one vLLM line. The lines keep most targets in the same places; they
+    differ in constructor and ``allocate_slots`` parameters, in where and how the model
+    runner allocates the KV cache (``allocators``) and chooses a tensor's kernel block
+    size. ``deferred``: sets applied when vLLM imports their module (its CPU worker);
+    ``extra``: patches only this line needs."""
     block_pool = f"{_CORE}.block_pool"
     scheduler = f"{_CORE}.sched.scheduler"
     patches = [
+        Patch(
+            Target(
+                "vllm.v1.engine.core",
+                "resolve_kv_cache_layout",
+                ("vllm_config", "supported_layouts", "kv_cache_specs"),
+            ),
+            asking_for_block_outer,
+            "the engine core prefers a block-outer KV layout where every backend supports one",
+        ),
         Patch(
             Target(f"{_WORKER}.gpu_worker", "Worker.init_device", ("self",)),
             taking_the_startup_turn,
@@ -298,11 +336,11 @@ def vllm_patch_set(
         ),
         *(
             Patch(
-                Target(module, "allocate_kv_cache", _ALLOCATE),
+                target,
                 allocating_from_pool(kernel_block_size),
                 "KV cache tensors over the pool's reserved range",
             )
-            for module in (f"{_WORKER}.gpu_model_runner", f"{_WORKER}.gpu.attn_utils")
+            for target in allocators
         ),
         Patch(
             Target(
@@ -372,11 +410,12 @@ def vllm_patch_set(
             usage_of_held_memory,
             "KV usage relative to what the pool can hold now",
         ),
+        *extra,
     ]
     requires = [
         Target(block_pool, "BlockPool.__init__", block_pool_parameters),
         Target(block_pool, "BlockPool.get_new_blocks", ("self", "num_blocks")),
-        Target(block_pool, "BlockPool.free_blocks", ("self", "ordered_blocks")),
+        Target(block_pool, "BlockPool.free_blocks", free_blocks_parameters),
         Target(block_pool, "BlockPool.touch", ("self", "blocks")),
         Target(block_pool, "BlockPool._maybe_evict_cached_block", ("self", "block")),
         Target(block_pool, "BlockPool._notify_reuse", ("self", "blocks")),
@@ -386,5 +425,11 @@ def vllm_patch_set(
             "create_kv_cache_views",
             ("raw", "spec", "num_blocks", "layout", "kv_cache_tensor", "kernel_block_size"),
         ),
+        Target(
+            "vllm.distributed.kv_transfer.kv_connector.utils",
+            "get_current_attn_backends",
+            ("vllm_config", "layer_names"),
+        ),
+        Target(f"{_WORKER}.worker_base", "WorkerBase.get_supported_kv_cache_layouts", ("self",)),
     ]
     return PatchSet(ENGINE, line, patches, requires, deferred)

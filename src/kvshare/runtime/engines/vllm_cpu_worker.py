@@ -15,8 +15,10 @@ patches give the CPU worker what :mod:`.vllm_common` gives the GPU worker:
   size is passed to vLLM by hand. ``determine_available_memory`` keeps vLLM's own warm-up
   decision but does not compare the virtual size with the host's free memory: the pool
   maps physical memory only within its lease, as on a GPU.
-- **Tensors and blocks** need nothing of their own: ``CPUModelRunner`` reaches the GPU
-  model runner's ``allocate_kv_cache``, and the scheduler is the same.
+- **Tensors and blocks**: up to 0.33 ``CPUModelRunner`` reaches the GPU model runner's
+  ``allocate_kv_cache``, patched with the GPU worker's; from 0.34 the CPU runner allocates
+  in ``vllm.v1.worker.cpu.attn_utils``, patched here (``allocators``). The scheduler is the
+  same.
 
 Importing ``cpu_worker`` reconfigures torch for the CPU platform (``vllm.v1.worker.cpu.shm``
 replaces ``torch.cuda.Event`` and more), so kvshare never imports it: this set is
@@ -39,7 +41,7 @@ from kvshare.runtime.engines.patching import (
     is_patched,
 )
 from kvshare.runtime.engines.pools import EngineConfigError
-from kvshare.runtime.engines.vllm_common import ENGINE, hold_startup_turn
+from kvshare.runtime.engines.vllm_groups import ENGINE, hold_startup_turn
 
 __all__ = ["cpu_worker_patches"]
 
@@ -92,8 +94,15 @@ def sizing_from_pool(original: AnyCallable) -> AnyCallable:
     return determine_available_memory
 
 
-def cpu_worker_patches(line: str) -> Deferred:
-    """The CPU worker's patches of one vLLM line (the same targets in every line so far)."""
+def cpu_worker_patches(
+    line: str,
+    *,
+    runner_module: str = "vllm.v1.worker.cpu_model_runner",
+    allocators: tuple[Patch, ...] = (),
+) -> Deferred:
+    """The CPU worker's patches of one vLLM line: the worker's own targets are the same
+    in every line; its model runner lives in ``runner_module``, and ``allocators`` are the
+    CPU runner's own KV allocation patches where it has one."""
     patches = [
         Patch(
             Target(MODULE, "CPUWorker.__init__", _INIT),
@@ -105,10 +114,11 @@ def cpu_worker_patches(line: str) -> Deferred:
             sizing_from_pool,
             "KV capacity from the pool's virtual size, not the host's free memory",
         ),
+        *allocators,
     ]
     requires = [
         Target(MODULE, "CPUWorker._should_warm_up_model", ("self",)),
         Target(MODULE, "CPUWorker.initialize_from_config", ("self", "kv_cache_config")),
-        Target("vllm.v1.worker.cpu_model_runner", "CPUModelRunner.warming_up_model", ("self",)),
+        Target(runner_module, "CPUModelRunner.warming_up_model", ("self",)),
     ]
     return Deferred(MODULE, PatchSet(ENGINE, f"{line} CPU worker", patches, requires))

@@ -15,7 +15,7 @@ import contextlib
 import contextvars
 import dataclasses
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from kvshare.runtime.engines import pools
@@ -24,6 +24,7 @@ from kvshare.runtime.engines.pools import EngineConfigError, Role
 __all__ = [
     "ENGINE",
     "Group",
+    "WorkerContext",
     "close_startup_turn",
     "current_scheduler",
     "current_worker",
@@ -45,9 +46,23 @@ class Group:
     world_size: int
 
 
+@dataclasses.dataclass(frozen=True)
+class WorkerContext:
+    """A worker building its KV cache: its group and rank, and what its attention backends
+    accept (to tell why its pool pages per layer)."""
+
+    group: Group
+    role: Role
+    supported_layouts: tuple[str, ...] = ()
+    """Layouts every attention backend of the worker supports, most preferred first."""
+    backends: str = ""
+    """Those backends and their layouts, in vLLM's words (for the log)."""
+
+
 #: Set while vLLM builds a worker's KV cache (``Worker.initialize_from_config``).
-_worker: contextvars.ContextVar[tuple[Group, Role]] = contextvars.ContextVar("kvshare_vllm_worker")
-#: Set while vLLM builds its scheduler (``Scheduler.__init__``): the group and KV layout.
+_worker: contextvars.ContextVar[WorkerContext] = contextvars.ContextVar("kvshare_vllm_worker")
+#: Set while vLLM builds its scheduler (``Scheduler.__init__``): the group and the cache
+#: config, whose KV layout the engine core has resolved by the time it builds one.
 _scheduler: contextvars.ContextVar[tuple[Group, Any]] = contextvars.ContextVar(
     "kvshare_vllm_scheduler"
 )
@@ -76,9 +91,13 @@ def tp_rank() -> int:
 
 
 @contextlib.contextmanager
-def worker_context(group: Group, rank: int) -> Iterator[None]:
-    """While set, ``allocate_kv_cache`` serves rank ``rank`` of ``group``."""
-    token = _worker.set((group, Role(ENGINE, rank, group.world_size, "coordinated")))
+def worker_context(
+    group: Group, rank: int, supported_layouts: Sequence[str] = (), backends: str = ""
+) -> Iterator[None]:
+    """While set, ``allocate_kv_cache`` serves rank ``rank`` of ``group``, whose attention
+    backends (``backends``) support ``supported_layouts``."""
+    role = Role(ENGINE, rank, group.world_size, "coordinated")
+    token = _worker.set(WorkerContext(group, role, tuple(supported_layouts), backends))
     try:
         yield
     finally:
@@ -86,9 +105,11 @@ def worker_context(group: Group, rank: int) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def scheduler_context(group: Group, layout: Any) -> Iterator[None]:
-    """While set, a KV cache coordinator draws its blocks from ``group``'s owner pool."""
-    token = _scheduler.set((group, layout))
+def scheduler_context(group: Group, cache_config: Any) -> Iterator[None]:
+    """While set, a KV cache coordinator draws its blocks from ``group``'s owner pool;
+    ``cache_config`` is the scheduler's (its KV layout is read only when a pool is
+    attached: a scheduler built outside the engine core may have none resolved)."""
+    token = _scheduler.set((group, cache_config))
     try:
         yield
     finally:
@@ -123,11 +144,11 @@ def close_startup_turn(worker: Any) -> None:
         turn.close()
 
 
-def current_worker() -> tuple[Group, Role] | None:
-    """The group and role of the worker whose KV cache vLLM is building now, if any."""
+def current_worker() -> WorkerContext | None:
+    """The worker whose KV cache vLLM is building now, if any."""
     return _worker.get(None)
 
 
 def current_scheduler() -> tuple[Group, Any] | None:
-    """The group (and KV layout) of the scheduler vLLM is building now, if any."""
+    """The group and cache config of the scheduler vLLM is building now, if any."""
     return _scheduler.get(None)

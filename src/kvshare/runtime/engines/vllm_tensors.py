@@ -9,6 +9,7 @@ KV cache config, so block ids mean the same bytes on every rank.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -16,6 +17,8 @@ from kvshare.runtime.engines import pools
 from kvshare.runtime.engines.patching import AnyCallable
 from kvshare.runtime.engines.pools import EngineConfigError
 from kvshare.runtime.engines.vllm_groups import current_worker
+from kvshare.runtime.engines.vllm_layout import explain, requested_layout
+from kvshare.runtime.paging import Paging, block_outer_page_size, tiling_advice
 
 if TYPE_CHECKING:
     import torch
@@ -29,6 +32,8 @@ __all__ = [
     "group_kernel_block_size",
     "plan_pool",
 ]
+
+log = logging.getLogger(__name__)
 
 #: Picks the kernel block size of one tensor's views, as the line's ``allocate_kv_cache`` does.
 KernelBlockSize = Callable[[Any, int, "list[int] | None"], "int | None"]
@@ -48,9 +53,11 @@ def plan_pool(kv_cache_config: Any, layout: Any) -> PoolPlan:
 
     Layer-outer layouts (``L`` then ``B`` outermost) keep each layer's blocks in one run:
     one pool buffer per layer, the layer stride becomes the pool's page-aligned buffer
-    stride. Block-outer layouts keep all layers of a block in one packed run: one pool
-    buffer of packed blocks, nothing moves. Other layouts split a block across a
-    layer's region and are refused.
+    stride, and a page is one granule (``KVSHARE_PAGE_SIZE``) of every layer. Block-outer
+    layouts keep all layers of a block in one packed run: one pool buffer of packed
+    blocks, nothing moves, and a page is the smallest run of granules holding whole
+    blocks (:func:`~kvshare.runtime.paging.block_outer_page_size`). Other layouts split a
+    block across a layer's region and are refused.
     """
     from kvshare.runtime.geometry import KVGeometry
 
@@ -65,8 +72,8 @@ def plan_pool(kv_cache_config: Any, layout: Any) -> PoolPlan:
         )
     block_stride, raw_size = strides.pop(), sizes.pop()
     if layout.is_block_outermost:
-        geometry = KVGeometry(1, block_stride, num_blocks, pools.page_size(), "per-layer")
-        return PoolPlan(geometry, tensors)
+        page = block_outer_page_size(block_stride, pools.page_size())
+        return PoolPlan(KVGeometry(1, block_stride, num_blocks, page), tensors)
     if not layout.is_block_compact:
         raise EngineConfigError(
             f"kvshare cannot page vLLM's KV cache layout {layout.name}: a block is not one "
@@ -115,18 +122,28 @@ def allocating_from_pool(
             device: torch.device,
             layout: Any,
             kernel_block_sizes: list[int] | None = None,
+            allocate: Callable[[int], torch.Tensor] | None = None,
         ) -> dict[str, torch.Tensor]:
             if not kv_cache_config.kv_cache_tensors:
-                return original(kv_cache_config, device, layout, kernel_block_sizes)  # type: ignore[no-any-return]
+                own = {} if allocate is None else {"allocate": allocate}
+                return original(kv_cache_config, device, layout, kernel_block_sizes, **own)  # type: ignore[no-any-return]
+            if allocate is not None:
+                raise EngineConfigError(
+                    "vLLM backs its KV cache with an allocator of its own (its extensible KV "
+                    "cache); with kvshare the pool is the KV allocation: start vLLM with "
+                    "--no-enable-extensible-kv-cache"
+                )
             context = current_worker()
             if context is None:
                 raise EngineConfigError(
                     "vLLM allocated a KV cache outside a worker's initialize_from_config; "
                     "kvshare cannot tell which engine it belongs to"
                 )
-            group, role = context
             plan = plan_pool(kv_cache_config, layout)
-            server = pools.open_rank(plan.geometry, device, role, group.name)
+            paging = _paging(kv_cache_config, layout, context.supported_layouts, context.backends)
+            server = pools.open_rank(
+                plan.geometry, device, context.role, context.group.name, paging=paging
+            )
             raw = server.tensor(0, plan.geometry.num_buffers).view(_int8())
             return _views(
                 raw,
@@ -140,6 +157,26 @@ def allocating_from_pool(
         return allocate_kv_cache
 
     return wrap
+
+
+def _paging(kv_cache_config: Any, layout: Any, supported: tuple[str, ...], backends: str) -> Paging:
+    """What the worker's pages hold and why, said once in the log; a block that does not
+    tile the granule is said with its waste and the block size that would not waste."""
+    paging = explain(
+        layout.name,
+        supported or (layout.name,),
+        several_groups=len(kv_cache_config.kv_cache_groups) > 1,
+        requested=requested_layout(),
+        detail=backends,
+    )
+    log.info("kvshare: vLLM's KV cache layout %s gives %s", layout.name, paging.describe())
+    if paging.layout == "block-outer":
+        tensor = kv_cache_config.kv_cache_tensors[0]
+        tokens = int(kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size)
+        advice = tiling_advice(tensor.block_stride, tokens, pools.page_size())
+        if advice is not None:
+            log.warning("kvshare: %s", advice)
+    return paging
 
 
 def _int8() -> torch.dtype:
