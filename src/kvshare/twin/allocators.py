@@ -9,6 +9,7 @@ engine never sees another's.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import Protocol
 
 __all__ = ["FirstComePages", "SharedBytes"]
 
@@ -23,9 +24,9 @@ class SharedBytes:
         self._next_id = [1] * len(block_bytes)  # 0 is every engine's null block
         self._recycled: list[list[int]] = [[] for _ in block_bytes]
 
-    def view(self, model: int) -> _BytesView:
+    def view(self, model: int) -> _ModelView:
         """The allocator engine ``model`` uses."""
-        return _BytesView(self, model)
+        return _ModelView(self, model)
 
     def alloc(self, model: int, n: int) -> list[int] | None:
         cost = n * self._block_bytes[model]
@@ -44,21 +45,6 @@ class SharedBytes:
         ids = list(ids)
         self._recycled[model].extend(ids)
         self.free_bytes += len(ids) * self._block_bytes[model]
-
-
-class _BytesView:
-    def __init__(self, pool: SharedBytes, model: int) -> None:
-        self._pool = pool
-        self._model = model
-
-    def alloc(self, n: int, *, running: bool = False) -> list[int] | None:
-        return self._pool.alloc(self._model, n)
-
-    def free(self, ids: Iterable[int]) -> None:
-        self._pool.free(self._model, ids)
-
-    def set_running_requests(self, count: int) -> None:
-        """Nothing to keep for: this world has no lease."""
 
 
 class FirstComePages:
@@ -81,9 +67,9 @@ class FirstComePages:
         self._free_in_open = [0] * models
         self.pages_returned = 0
 
-    def view(self, model: int) -> _PagesView:
+    def view(self, model: int) -> _ModelView:
         """The allocator engine ``model`` uses."""
-        return _PagesView(self, model)
+        return _ModelView(self, model)
 
     def held_pages(self, model: int) -> int:
         """Pages engine ``model`` holds mapped."""
@@ -135,8 +121,18 @@ class FirstComePages:
                 self._free_in_open[model] += 1
 
 
-class _PagesView:
-    def __init__(self, pool: FirstComePages, model: int) -> None:
+class _SharedPool(Protocol):
+    """What both shared allocators offer a model: blocks from one memory for all."""
+
+    def alloc(self, model: int, n: int) -> list[int] | None: ...
+
+    def free(self, model: int, ids: Iterable[int]) -> None: ...
+
+
+class _ModelView:
+    """One model's side of a shared allocator (the engine's ``BlockAllocator``)."""
+
+    def __init__(self, pool: _SharedPool, model: int) -> None:
         self._pool = pool
         self._model = model
 
