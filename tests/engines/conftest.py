@@ -16,7 +16,10 @@ from pathlib import Path
 
 import pytest
 
-SUITE_VARIABLE = "KVSHARE_ENGINE_SUITE"
+from tests.engines.line_suites import SUITE_VARIABLE, EngineSuites, Suite
+
+#: Where the outer run keeps its :class:`EngineSuites`.
+SUITES = pytest.StashKey[EngineSuites]()
 
 collect_ignore = [] if os.environ.get(SUITE_VARIABLE) else ["vllm", "sglang"]
 
@@ -27,3 +30,26 @@ def short_tmp() -> Iterator[Path]:
     path = Path(tempfile.mkdtemp(prefix="kvs", dir="/tmp"))
     yield path
     shutil.rmtree(path, ignore_errors=True)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start the suites as soon as the session knows it runs them: they run beside the
+    tests collected before them (see ``line_suites.SUITE_NICENESS``)."""
+    if not os.environ.get(SUITE_VARIABLE) and any(
+        item.path.name == "test_engine_suites.py" for item in session.items
+    ):
+        session.config.stash[SUITES] = EngineSuites()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    suites = session.config.stash.get(SUITES, None)
+    if suites is not None:
+        suites.close()
+
+
+@pytest.fixture(scope="session")
+def suites(pytestconfig: pytest.Config) -> dict[str, Suite]:
+    """The suite of every supported line, started (at the latest) now."""
+    if SUITES not in pytestconfig.stash:
+        pytestconfig.stash[SUITES] = EngineSuites()
+    return pytestconfig.stash[SUITES].started

@@ -3,15 +3,14 @@
 Every test here goes through the servers' OpenAI HTTP API, as a user's client does. The
 servers are vLLM's CPU build (``make engines``) serving the generated tiny model; they
 start with the quickest settings (``--enforce-eager``, one ``VLLM_CACHE_ROOT`` per run)
-and each module keeps its own alive for all its tests. At most three run at once: the
-plain-vLLM reference (the whole session) and a module's two.
+and are shared as long as tests use them: the plain-vLLM reference (the whole session) and
+the co-located pair of ``world.py`` start when the session begins (``early.py``), a
+module's own servers when the module does.
 """
 
 from __future__ import annotations
 
 import random
-import shutil
-import tempfile
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ from kvshare.demo.serving.tiny_model import VOCAB
 from kvshare.demo.serving.vllm_server import ServerOptions, VllmServer
 
 if TYPE_CHECKING:
+    from tests.serving.early import ServingWorld
     from tests.serving.world import Colocated
 
 MIB = 2**20
@@ -33,6 +33,8 @@ MIB = 2**20
 REFERENCE_KV_BYTES = 16 * MIB
 #: Bytes of one KV block of the tiny model: 32 tokens x 4 layers x (K+V) 2 heads x 64 x fp32.
 BLOCK_BYTES = 32 * 4 * 2 * 2 * 64 * 4
+#: Where the session keeps its :class:`~tests.serving.early.ServingWorld`.
+WORLD = pytest.StashKey["ServingWorld"]()
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -43,14 +45,44 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 @pytest.fixture(scope="session", autouse=True)
 def serving_environment() -> None:
-    if not DEFAULT_SERVING.python().exists() or not (tiny_model_dir() / "config.json").exists():
+    if not _has_servers():
         pytest.skip(f"{DEFAULT_SERVING.name} or the tiny model is not built: run `make engines`")
 
 
+def _has_servers() -> bool:
+    return DEFAULT_SERVING.python().exists() and (tiny_model_dir() / "config.json").exists()
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start the servers as soon as the session knows it runs serving tests (see
+    :mod:`tests.serving.early`)."""
+    here = Path(__file__).parent
+    if _has_servers() and any(item.path.is_relative_to(here) for item in session.items):
+        from tests.serving.early import ServingWorld
+
+        session.config.stash[WORLD] = ServingWorld()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    world = session.config.stash.get(WORLD, None)
+    if world is not None:
+        world.close(keep_logs=session.testsfailed > 0)
+
+
 @pytest.fixture(scope="session")
-def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Logs of every server, and the vLLM cache they share."""
-    return tmp_path_factory.mktemp("serving")
+def serving_world(pytestconfig: pytest.Config) -> ServingWorld:
+    """The session's servers, started (at the latest) now."""
+    if WORLD not in pytestconfig.stash:
+        from tests.serving.early import ServingWorld
+
+        pytestconfig.stash[WORLD] = ServingWorld()
+    return pytestconfig.stash[WORLD]
+
+
+@pytest.fixture(scope="session")
+def run_dir(serving_world: ServingWorld) -> Path:
+    """Logs of every server, and the vLLM cache they share (kept when a test failed)."""
+    return serving_world.run_dir
 
 
 def start_servers(*servers: VllmServer) -> list[VllmServer]:
@@ -67,30 +99,28 @@ def start_servers(*servers: VllmServer) -> list[VllmServer]:
     return list(servers)
 
 
+#: The servers' niceness: while both decode on the two cores, the agent and the test's
+#: clients still run when they have work (as on a node, where each has CPU of its own).
+SERVER_NICENESS = 10
+
+
 def options(run_dir: Path, *, kvshare: bool, cpu: int, **fields: object) -> ServerOptions:
-    """A server's options for these tests: its own core, the run's vLLM cache."""
+    """A server's options for these tests: its own core, the run's vLLM cache, and a CPU
+    priority below the node agent's and the test's own (see ``ServerOptions.niceness``)."""
     return ServerOptions(
         kvshare=kvshare,
         cpu_bind=str(cpu),
+        niceness=SERVER_NICENESS,
         cache_root=run_dir / "vllm-cache",
         **fields,  # type: ignore[arg-type]
     )
 
 
 @pytest.fixture(scope="session")
-def native_server(run_dir: Path) -> Iterator[VllmServer]:
+def native_server(serving_world: ServingWorld) -> VllmServer:
     """Plain vLLM (no kvshare) with a KV cache of :data:`REFERENCE_KV_BYTES`, started but
-    not waited for: a module starts its own servers beside it (see :func:`native`)."""
-    server = VllmServer(
-        "native",
-        options(run_dir, kvshare=False, cpu=1, kv_cache_bytes=REFERENCE_KV_BYTES),
-        run_dir / "native.log",
-    )
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
+    not necessarily answering yet."""
+    return serving_world.native
 
 
 @pytest.fixture(scope="session")
@@ -99,29 +129,11 @@ def native(native_server: VllmServer) -> VllmServer:
     return native_server.wait_ready()
 
 
-#: The co-located servers and their agent, while they run (see :func:`colocated`).
-_COLOCATED: list[Colocated] = []
-
-
 @pytest.fixture(scope="session")
-def colocated(run_dir: Path, native: VllmServer) -> Iterator[Colocated]:
+def colocated(serving_world: ServingWorld) -> Colocated:
     """Servers A and B leased by one node agent (``tests/serving/world.py``), shared by
-    the modules that use them and stopped after the last of those: at most three servers
-    run at once."""
-    from tests.serving.world import start_colocated
-
-    sockets = Path(tempfile.mkdtemp(prefix="kvs", dir="/tmp"))  # short unix socket paths
-    _COLOCATED.append(start_colocated(run_dir, sockets, native))
-    try:
-        yield _COLOCATED[0]
-    finally:
-        _stop_colocated()
-        shutil.rmtree(sockets, ignore_errors=True)
-
-
-def _stop_colocated() -> None:
-    while _COLOCATED:
-        _COLOCATED.pop().close()
+    the modules that use them and stopped after the last of those."""
+    return serving_world.colocated()
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -130,8 +142,9 @@ def _stop_colocated_after_its_last_module(request: pytest.FixtureRequest) -> Ite
     items = request.session.items
     mine = [i for i, item in enumerate(items) if item.module is request.module]  # type: ignore[attr-defined]
     later = items[mine[-1] + 1 :] if mine else []
-    if not any("colocated" in item.fixturenames for item in later):  # type: ignore[attr-defined]
-        _stop_colocated()
+    world = request.config.stash.get(WORLD, None)
+    if world is not None and not any("colocated" in item.fixturenames for item in later):  # type: ignore[attr-defined]
+        world.stop_colocated()
 
 
 @dataclass(frozen=True)

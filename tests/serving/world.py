@@ -134,8 +134,23 @@ def pool_name(setup: Colocated, server: VllmServer) -> str:
     return name
 
 
-def start_colocated(run_dir: Path, sockets: Path, native: VllmServer) -> Colocated:
-    """The agent and servers A and B, started together; the reference meanwhile."""
+@dataclass
+class Launched:
+    """The agent and servers A and B, started together and not yet answering."""
+
+    agent: NodeAgentProcess
+    servers: list[VllmServer]
+
+    def stop(self) -> None:
+        for server in self.servers:
+            server.stop()
+        self.agent.stop()
+
+
+def launch_colocated(run_dir: Path, sockets: Path) -> Launched:
+    """Start the agent, then servers A and B at the same moment (the broker's turns put
+    them in order). Processes are started by the calling thread: the servers' supervisor
+    ends them when the thread that started it exits (its parent-death signal)."""
     agent = NodeAgentProcess(
         sockets, run_dir / "node-agent.log", gpu_bytes=GPU_BYTES, headroom=HEADROOM,
         args=AGENT_ARGS,
@@ -149,20 +164,30 @@ def start_colocated(run_dir: Path, sockets: Path, native: VllmServer) -> Colocat
         )
         for name, cpu in (("server-a", 0), ("server-b", 1))
     ]
+    launched = Launched(agent, [])
     try:
         for server in servers:
-            server.start()  # at the same moment: the broker's turns put them in order
+            launched.servers.append(server.start())
+    except BaseException:
+        launched.stop()
+        raise
+    return launched
+
+
+def finish_colocated(launched: Launched, native: VllmServer) -> Colocated:
+    """The reference tokens from ``native`` while A and B start; then the world, once
+    both answer (everything stopped if one does not)."""
+    try:
         every = [*BURST_A, *BURST_B, *UNDER_THE_CUT, *STEADY, *AFTER_BURST]
         reference = dict(
             zip((ask.prompt for ask in every), tokens(serve_all(native, every)), strict=True)
         )
-        for server in servers:
+        for server in launched.servers:
             server.wait_ready()
     except BaseException:
-        for server in servers:
-            server.stop()
-        agent.stop()
+        launched.stop()
         raise
-    setup = Colocated(agent, servers[0], servers[1], reference)
+    a, b = launched.servers
+    setup = Colocated(launched.agent, a, b, reference)
     setup.watch_books()
     return setup
