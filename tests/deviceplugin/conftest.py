@@ -13,7 +13,7 @@ import sys
 import tempfile
 import threading
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
@@ -88,11 +88,13 @@ class AgentProcess:
         *,
         node_name: str = "test-node",
         kubeconfig: Path | None = None,
-        preexec_fn: Callable[[], None] | None = None,
+        wrapper: Sequence[str] = (),
         env: dict[str, str] | None = None,
     ) -> None:
         """``fake_gpus`` None: the GPUs come from the node's configuration (``--config``);
-        ``kubeconfig`` None: no Kubernetes API."""
+        ``kubeconfig`` None: no Kubernetes API; ``wrapper``: a command the agent runs
+        under (e.g. ``prlimit``: no code runs between fork and exec in this threaded
+        process)."""
         self.directory = directory
         # The directory pods would mount holds the broker socket only; the admin
         # directory is apart from it, as the node agent requires.
@@ -101,6 +103,7 @@ class AgentProcess:
         self.gpus = parse_fake_gpus(fake_gpus, node_name) if fake_gpus else []
         kube = ["--kubeconfig", str(kubeconfig)] if kubeconfig else ["--no-kube"]
         self._args = [
+            *wrapper,
             sys.executable, "-m", "kvshare.cli", "node",
             *(["--fake-gpus", fake_gpus] if fake_gpus else []),
             "--node-name", node_name,
@@ -114,7 +117,6 @@ class AgentProcess:
         self.process: subprocess.Popen[str] | None = None
         self.log: list[str] = []
         self.metrics_port = 0
-        self._preexec_fn = preexec_fn
         self._env = env
 
     def start(self) -> None:
@@ -131,7 +133,6 @@ class AgentProcess:
             stderr=subprocess.PIPE,
             stdout=subprocess.DEVNULL,
             text=True,
-            preexec_fn=self._preexec_fn,  # noqa: PLW1509 - it only sets a resource limit
             env=self._env,
         )
         threading.Thread(target=self._collect, args=(self.process,), daemon=True).start()

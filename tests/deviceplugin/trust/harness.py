@@ -21,7 +21,6 @@ import contextlib
 import ctypes
 import json
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -31,7 +30,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -260,7 +259,7 @@ class GpuNode:
         cgroups: Path,
         agent_flags: list[str],
         *,
-        agent_preexec: Callable[[], None] | None = None,
+        agent_wrapper: Sequence[str] = (),
         fake_gpus: str = "2x8Gi",
         nvml: list[GpuInfo] | None = None,
     ) -> None:
@@ -274,7 +273,7 @@ class GpuNode:
             directory / "dp", pod_resources_socket=directory / "pr" / "kubelet.sock"
         )
         self._flags = agent_flags
-        self._preexec = agent_preexec
+        self._wrapper = agent_wrapper
         self._fake_gpus = fake_gpus
         self._nvml = nvml
         self._nvml_state = directory / "nvml.json"
@@ -307,7 +306,7 @@ class GpuNode:
              "--publish-interval", "0.5", *self._flags],
             node_name=NODE,
             kubeconfig=kubeconfig,
-            preexec_fn=self._preexec,
+            wrapper=self._wrapper,
             env=environment,
         )  # fmt: skip
         if self._nvml is not None:
@@ -444,13 +443,11 @@ def victim(node: GpuNode, memory_gib: int = 4) -> Victim:
     return steady
 
 
-def open_files_limit(limit: int) -> Callable[[], None]:
-    """A preexec function that lowers the child's open-files limit to ``limit``."""
-
-    def lower() -> None:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
-
-    return lower
+def open_files_limit(limit: int) -> list[str]:
+    """A command prefix that runs a program with its open-files limit at ``limit`` (set by
+    ``prlimit`` after the fork: Python code between fork and exec is unsafe in a process
+    whose other threads serve gRPC, and once aborted an agent starting here)."""
+    return ["prlimit", f"--nofile={limit}:{limit}", "--"]
 
 
 @contextlib.contextmanager

@@ -62,7 +62,7 @@ def _under_attack(
 @pytest.fixture
 def cramped_node(cgroups: Path) -> Iterator[GpuNode]:
     with short_directory() as directory:
-        yield from node_fixture(directory, cgroups, agent_preexec=open_files_limit(FILES))
+        yield from node_fixture(directory, cgroups, agent_wrapper=open_files_limit(FILES))
 
 
 def test_out_of_files_under_kubernetes_the_agent_serves_and_logs_a_bounded_number_of_lines(
@@ -98,7 +98,7 @@ sys.stdin.read()
 def test_out_of_files_without_kubernetes_the_agent_serves_and_logs_a_bounded_number_of_lines(
     short_tmp: Path,
 ) -> None:
-    agent = AgentProcess(short_tmp, "1x8Gi", [], preexec_fn=open_files_limit(FILES))
+    agent = AgentProcess(short_tmp, "1x8Gi", [], wrapper=open_files_limit(FILES))
     agent.start()
     try:
 
