@@ -304,8 +304,10 @@ class KVPool:
         pages = self._pages
         if pages.held > self._limit.pages:
             return free
-        room = min(self._limit.pages - pages.held, len(pages.unmapped))
-        return free + room * self._blocks.min_cap
+        # Pages on their way out serve now (fenced: rescued) or soon (unmapping: alloc waits).
+        dropping = pages.dropping
+        room = min(self._limit.pages - pages.held + dropping, len(pages.unmapped) + dropping)
+        return free + pages.fenced_blocks + room * self._blocks.min_cap
 
     # --- growing ---------------------------------------------------------------------------
 
@@ -319,6 +321,9 @@ class KVPool:
                 free = self._mapped_free(running)
                 pages = self._pages
                 over = pages.held > self._limit.pages
+                if n > free and not over and pages.fenced:
+                    pages.rescue(n - free)
+                    free = self._mapped_free(running)
                 if n <= free:
                     return self._blocks.take(n, running, over)
                 picked, refusal = self._pick_pages_for(n - free, over)

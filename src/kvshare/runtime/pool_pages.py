@@ -125,6 +125,28 @@ class Pages:
             self.dropping += len(due)
         return due
 
+    def rescue(self, blocks: int) -> None:
+        """Put fenced pages back in service, newest first, until they hold ``blocks``
+        blocks or none is left. They are still mapped, and a block reused after the steps
+        that read it is what the engine does with every freed block: only unmapping must
+        wait for those steps, not reuse."""
+        got = 0
+        while got < blocks and self._fenced:
+            pages = self._fenced[-1][1]
+            page = pages.pop()
+            if not pages:
+                self._fenced.pop()
+            self.fenced -= 1
+            self.mapped += 1
+            self.state[page] = MAPPED
+            self._blocks.publish(page)
+            got += self._blocks.cap[page]
+
+    @property
+    def fenced_blocks(self) -> int:
+        """Blocks of the fenced pages (free, still mapped: :meth:`rescue` serves them)."""
+        return sum(self._blocks.cap[page] for _, pages in self._fenced for page in pages)
+
     def _return_unmapped(self, pages: list[int]) -> None:
         """Busy ``pages`` hold no memory any more."""
         for page in pages:
