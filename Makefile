@@ -59,7 +59,7 @@ prometheus:  ## Prometheus + promtool from Debian's package (apt-get, as root; i
 tools: $(HELM) prometheus  ## the binaries the chart tests run: helm, prometheus, promtool
 
 engines: $(DEV_STAMP)  ## install the pinned vLLM/SGLang test and serving environments into .engines/
-	$(PY) tools/engine_env.py build
+	$(PY) -m tools.engine_env build
 	$(PY) tools/serving_env.py build
 
 test: $(DEV_STAMP) $(PROTO_STUBS) tools engines  ## run the test suite

@@ -11,8 +11,8 @@ them on CPU, and vLLM shrinks from 878 to 245 MB.
 One folder per layer, each with a stamp of what it holds: a layer is reinstalled only when
 its requirements change, so a second ``make engines`` takes about a second.
 
-    python tools/engine_env.py build            # install what is missing or stale
-    python tools/engine_env.py path vllm-0.33.0 # the PYTHONPATH entries of one environment
+    python -m tools.engine_env build            # install what is missing or stale
+    python -m tools.engine_env path vllm-0.33.0 # the PYTHONPATH entries of one environment
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvshare.api.engines import SUPPORTED, SupportedLine
+from tools import peer_tests
 
 ROOT = Path(__file__).resolve().parents[1]
 ENGINES_DIR = ROOT / ".engines"
@@ -136,6 +137,9 @@ def build(lines: Sequence[SupportedLine] = SUPPORTED) -> int:
     for line in lines:
         for layer in layers(line):
             wanted.setdefault(layer.name, layer)
+    for line in lines:
+        if line.engine == "vllm" and peer_tests.fetch(ENGINES_DIR, line):
+            print(f"  vLLM's own tests of {line.environment}: fetched", flush=True)
     stale = [layer for layer in wanted.values() if not layer.is_current()]
     if not stale:
         print(f"engine environments up to date in {ENGINES_DIR.relative_to(ROOT)}/")
