@@ -275,8 +275,9 @@ class FreezeRun(FaultRun):
     """From SIGCONT to the answer of the last request queued while it was stopped."""
     queued_failed: int = 0
     usual_s: float = 0.0
-    """The longest an admin request or a ``/readyz`` probe took under the same load just
-    before the stop: what this machine allows for an answer at all."""
+    """What answers take under the same load just before the stop, the longest of: one
+    admin request or ``/readyz`` probe at a time, and the last of the same queued requests
+    sent all at once (their threads share this process and the cores with the servers)."""
 
 
 def _queued(world: FaultWorld, results: list[float | None], kind: str, started: float) -> None:
@@ -294,6 +295,31 @@ def _queued(world: FaultWorld, results: list[float | None], kind: str, started: 
         results.append(None)
 
 
+def _send_queued(
+    world: FaultWorld, queued: int, pause_s: float, started: float
+) -> tuple[list[threading.Thread], list[float | None]]:
+    """``queued`` admin requests and as many ``/readyz`` probes, one every ``pause_s``."""
+    results: list[float | None] = []
+    threads = [
+        threading.Thread(target=_queued, args=(world, results, kind, started))
+        for kind in ("admin", "ready")
+        for _ in range(queued)
+    ]
+    for thread in threads:
+        thread.start()
+        time.sleep(pause_s)
+    return threads, results
+
+
+def _last_answer(threads: list[threading.Thread], results: list[float | None]) -> float:
+    """When the last of the requests was answered (inf if one was not)."""
+    for thread in threads:
+        thread.join(90)
+    if len(results) < len(threads) or None in results:
+        return float("inf")
+    return max((t for t in results if t is not None), default=float("inf"))
+
+
 def agent_frozen(world: FaultWorld, stopped_s: float, queued: int = 8) -> FreezeRun:
     """SIGSTOP the agent under load for ``stopped_s`` while ``queued`` admin requests and
     ``queued`` ``/readyz`` probes wait on it, then SIGCONT: how soon it answers."""
@@ -303,29 +329,22 @@ def agent_frozen(world: FaultWorld, stopped_s: float, queued: int = 8) -> Freeze
             lambda: world.agent.try_view(10.0) is not None,
             lambda: world.agent.ready(10.0),
         ]
-        run.usual_s = max(wait_for(probe, 30.0) for probe in probes for _ in range(5))
+        one_at_a_time = max(wait_for(probe, 30.0) for probe in probes for _ in range(5))
+        sent = time.monotonic()
+        all_at_once = _last_answer(*_send_queued(world, queued, 0.0, sent)) - sent
+        run.usual_s = max(one_at_a_time, all_at_once)
         _fault_begins(world, run)
         world.agent.pause()
-        results: list[float | None] = []
-        threads = [
-            threading.Thread(target=_queued, args=(world, results, kind, run.fault_at))
-            for kind in ("admin", "ready")
-            for _ in range(queued)
-        ]
-        for thread in threads:
-            thread.start()
-            time.sleep(stopped_s / (2 * len(threads)))
+        threads, results = _send_queued(world, queued, stopped_s / (4 * queued), run.fault_at)
         time.sleep(stopped_s / 2)
         resumed = time.monotonic()
         world.agent.resume()
         run.admin_after_s = wait_for(lambda: world.agent.try_view(10.0) is not None, 30.0)
         run.ready_after_s = wait_for(lambda: world.agent.ready(10.0), 30.0)
         run.answering_at = resumed + run.admin_after_s
-        for thread in threads:
-            thread.join(90)
+        last = _last_answer(threads, results)
         run.queued_failed = sum(1 for t in results if t is None)
-        answered = [t for t in results if t is not None]
-        run.queued_after_s = max(answered, default=float("inf")) - resumed
+        run.queued_after_s = last - resumed
         run.recovered_at = resumed + wait_for(lambda: _recovered(world), 60.0)
         run.converged_at = run.recovered_at
     run.answers, run.samples, run.problems = base.answers, base.samples, base.problems
