@@ -71,13 +71,19 @@ def _p99(outcome: DemoOutcome, world: str) -> float:
     return percentile(waits, 99)
 
 
-def _run_trace(
+def run_trace(
     name: str,
     made: trace.Trace,
     folder: Path,
     kv_min_share: float,
     fields: dict[str, float | int | str],
+    *,
+    policies: tuple[str, ...] = POLICIES,
+    block_outer: bool = False,
 ) -> dict[str, _Measured]:
+    """Run ``made`` in a static world and one elastic world per policy at once (real
+    processes); its figures go into ``fields`` under ``name``, and each policy's result
+    is returned."""
     path = folder / f"{name}.json"
     trace.save(made, path)
     outcome = run_demo(
@@ -87,8 +93,9 @@ def _run_trace(
             metrics_port=0,
             live=False,
             plot=False,
-            policies=POLICIES,
+            policies=policies,
             kv_min_share=kv_min_share,
+            block_outer=block_outer,
         ),
         sys.stderr,
     )
@@ -116,13 +123,16 @@ def _run_trace(
     return measured
 
 
+def first_of_each_family() -> list[suite.SuiteTrace]:
+    """The suite's first trace of every family."""
+    firsts: dict[str, suite.SuiteTrace] = {}
+    for made in suite.suite():
+        firsts.setdefault(made.family, made)
+    return list(firsts.values())
+
+
 def run(quick: bool) -> Result:
-    traces = suite.suite()
-    if quick:
-        firsts = {}
-        for made in traces:
-            firsts.setdefault(made.family, made)
-        traces = list(firsts.values())
+    traces = first_of_each_family() if quick else suite.suite()
     fields: dict[str, float | int | str] = {}
     per_policy: dict[str, list[_Measured]] = {p: [] for p in POLICIES}
     flat: list[str] = []
@@ -130,7 +140,7 @@ def run(quick: bool) -> Result:
     with tempfile.TemporaryDirectory(prefix="kvshare-bench-suite-") as out:
         folder = Path(out)
         for made in traces:
-            for policy, m in _run_trace(made.name, made.trace, folder, 0.0, fields).items():
+            for policy, m in run_trace(made.name, made.trace, folder, 0.0, fields).items():
                 per_policy[policy].append(m)
             if fields[f"{made.name}.shared"] - fields[f"{made.name}.static"] <= FLAT * float(
                 fields[f"{made.name}.static"]
@@ -140,9 +150,7 @@ def run(quick: bool) -> Result:
             if made.family in second_pass or made.family not in MIN_FAMILIES:
                 continue
             second_pass.add(made.family)
-            for policy, m in _run_trace(
-                made.name, made.trace, folder, KV_MIN_SHARE, fields
-            ).items():
+            for policy, m in run_trace(made.name, made.trace, folder, KV_MIN_SHARE, fields).items():
                 per_policy[policy].append(m)
     summary: dict[str, float | int | str] = {}
     for policy, measured in per_policy.items():

@@ -40,6 +40,7 @@ BENCHMARKS = (
     "elastic",
     "elastic-suite",
     "elastic-sim",
+    "page-granularity",
     "capacity",
     "fuzz",
     "vllm-overhead",

@@ -87,3 +87,14 @@ def test_pages_can_hold_a_set_number_of_blocks_when_the_backend_allows_it() -> N
         demo_geometry(config, 64 * 2**10, page_blocks=1)
     with pytest.raises(DemoConfigError, match="positive"):
         demo_geometry(config, OS_PAGE, page_blocks=0)
+
+
+def test_block_outer_pools_page_one_block_of_every_layer_at_a_time() -> None:
+    config = TraceConfig(gpu_memory_bytes=512 * 2**20)
+    geometry = demo_geometry(config, OS_PAGE, block_outer=True)
+    assert geometry.num_buffers == 1
+    assert geometry.block_bytes == config.block_bytes()  # every layer's K and V of a block
+    assert geometry.page_size == geometry.block_bytes  # a whole number of granules here
+    assert geometry.num_blocks * geometry.block_bytes > config.gpu_memory_bytes
+    per_layer = demo_geometry(config, OS_PAGE)  # whole blocks of every layer per page too
+    assert per_layer.page_bytes % geometry.page_bytes == 0

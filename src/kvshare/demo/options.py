@@ -85,6 +85,9 @@ class DemoOptions:
     #: (:mod:`kvshare.demo.capacity`; None: none), and its simulated seconds.
     capacity_family: str | None = None
     capacity_duration_s: float = 120.0
+    #: The simulated servers' pools paged by the block (one buffer of all layers, as vLLM's
+    #: block-outer layouts are), not the demo's per-layer pages of several blocks.
+    block_outer: bool = False
 
     @property
     def min_share(self) -> float:

@@ -240,6 +240,8 @@ class _Launcher:
         else:
             argv = [sys.executable, "-m", "kvshare.demo.server", *common]
             argv += ["--speed", str(options.speed)]
+            if options.block_outer:
+                argv += ["--block-outer"]
         env: dict[str, str] = {}
         if node is None:
             argv += ["--share-bytes", str(self.static_share)]

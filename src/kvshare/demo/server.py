@@ -73,13 +73,25 @@ class DemoConfigError(ValueError):
 
 
 def demo_geometry(
-    config: trace_mod.TraceConfig, granularity: int, page_blocks: int | None = None
+    config: trace_mod.TraceConfig,
+    granularity: int,
+    page_blocks: int | None = None,
+    *,
+    block_outer: bool = False,
 ) -> KVGeometry:
     """The pool geometry of one simulated server: room for the whole GPU, per-layer.
 
     Pages are sized for :data:`MIN_PAGES_PER_GPU` unless ``page_blocks`` sets how many
-    blocks one holds (a multiple of ``granularity`` in bytes)."""
+    blocks one holds (a multiple of ``granularity`` in bytes). ``block_outer``: one buffer
+    of whole blocks of every layer instead, a page the granules of one block (as vLLM's
+    block-outer layouts are paged)."""
     from kvshare.runtime.geometry import KVGeometry
+
+    if block_outer:
+        block = config.block_bytes()
+        page = -(-block // granularity) * granularity
+        blocks = config.gpu_memory_bytes // block + 1
+        return KVGeometry(num_buffers=1, block_bytes=block, num_blocks=blocks, page_size=page)
 
     buffers = 2 * DEMO_LAYERS
     block_bytes, rest = divmod(config.block_bytes(), buffers)
@@ -266,7 +278,7 @@ def serve(args: argparse.Namespace, channel: Channel) -> None:
     config = trace.config
     requests = trace.for_model(args.model)
     backend = open_backend("host")
-    geometry = demo_geometry(config, backend.granularity)
+    geometry = demo_geometry(config, backend.granularity, block_outer=args.block_outer)
     chunk = lease_chunk_bytes(config, geometry)
     lease = _lease(args.mode, args.share_bytes, geometry.page_bytes, chunk)
     pool = KVPool(
@@ -383,6 +395,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--speed", type=float, default=1.0, help="trace seconds per wall-clock second"
+    )
+    parser.add_argument(
+        "--block-outer",
+        action="store_true",
+        help="page the pool by the block (one buffer of all layers), not per layer",
     )
     return run_server(parser.parse_args(argv), serve)
 
