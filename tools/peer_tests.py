@@ -34,6 +34,12 @@ FILES = (
     "v1/kv_connector/unit/utils.py",
 )
 STAMP = ".kvshare-stamp"
+
+
+class PeerTestsError(RuntimeError):
+    """A line's tests could not be fetched (not on PyPI, a digest that differs)."""
+
+
 _INDEX = "https://pypi.org/simple/{name}/"
 _JSON = "application/vnd.pypi.simple.v1+json"
 
@@ -63,18 +69,20 @@ def _sdist(name: str, version: str) -> tuple[str, str]:
     for artifact in index["files"]:
         if artifact["filename"] == wanted:
             return artifact["url"], artifact["hashes"]["sha256"]
-    raise SystemExit(f"PyPI has no source distribution {wanted}")
+    raise PeerTestsError(f"PyPI has no source distribution {wanted}")
 
 
 def fetch(engines: Path, line: SupportedLine) -> bool:
-    """Unpack ``line``'s tests unless they are current; whether anything was fetched."""
+    """Unpack ``line``'s tests unless they are current; whether anything was fetched.
+    Raises :class:`PeerTestsError`, :class:`OSError` (the network) or
+    :class:`tarfile.TarError`."""
     if is_fetched(engines, line):
         return False
     url, sha256 = _sdist(line.engine, line.tested)
     with urllib.request.urlopen(url, timeout=600) as response:
         data = response.read()
     if hashlib.sha256(data).hexdigest() != sha256:
-        raise SystemExit(f"{url}: SHA-256 differs from PyPI's record")
+        raise PeerTestsError(f"{url}: SHA-256 differs from PyPI's record")
     target = directory(engines, line)
     staging = target.with_name(f".staging-{target.name}")
     shutil.rmtree(staging, ignore_errors=True)

@@ -105,7 +105,10 @@ def test_vllms_own_kv_cache_and_scheduler_tests_pass_on_kvshare_pools(
 ) -> None:
     root = peer_tests.directory(engine_env.ENGINES_DIR, line)
     if not peer_tests.is_fetched(engine_env.ENGINES_DIR, line):
-        pytest.skip(f"vLLM's own tests of {line.environment} are not unpacked: run make engines")
+        pytest.skip(
+            f"vLLM's own tests of {line.environment} are not unpacked (make engines fetches "
+            "them from PyPI and said why it could not)"
+        )
     report = tmp_path / "report.json"
     paths = [*map(str, engine_env.python_path(line)), str(PEER), str(root)]
     environ = {
