@@ -3,11 +3,11 @@
 The suite's first trace of every family (``kvshare.demo.suite``) runs as ``elastic-suite``
 runs it — a real node agent, real model-server processes with real pools on the host
 backend, a static world beside an elastic one (policy ``entitlement``) — twice: with the
-demo's pages of 8 blocks per buffer (per-layer pages, as vLLM's layer-outer layouts give:
-a page comes back only when all its blocks are free) and with pages of one block (what
-block-outer layouts give: one granule per block of all layers). Per trace and page size:
-``gain`` share ``(elastic - static) / (shared - static)`` and ``worst`` model against
-``min(static, shared)``; for each layout their median and least. Simulated time gives
+demo's per-layer pages (8 blocks in each of 64 buffers, as vLLM's layer-outer layouts are
+paged: a page comes back only when all its blocks are free) and block-outer (one buffer of
+whole blocks of every layer, a page per block, as vLLM's ``BLNHC`` is paged). Per trace
+and layout: ``gain`` share ``(elastic - static) / (shared - static)`` and ``worst`` model
+against ``min(static, shared)``; for each layout their median and least. Simulated time gives
 the same comparison on 30 traces (``python -m kvshare.demo.elastic_sim --page-blocks 1``),
 and the twin on a GPU's geometry (``capacity``).
 """
@@ -26,10 +26,10 @@ PAGES = {"per-layer": False, "block-outer": True}
 
 
 def run(quick: bool) -> Result:
-    traces = [made.name for made in first_of_each_family()]
+    traces = first_of_each_family()
     fields: dict[str, float | int | str] = {}
     with tempfile.TemporaryDirectory(prefix="kvshare-bench-pages-") as out:
-        for made in first_of_each_family():
+        for made in traces:
             for label, block_outer in PAGES.items():
                 run_trace(
                     f"{made.name}.{label}",
@@ -40,7 +40,7 @@ def run(quick: bool) -> Result:
                     policies=(CANDIDATE,),
                     block_outer=block_outer,
                 )
-    return summarise(traces, fields)
+    return summarise([made.name for made in traces], fields)
 
 
 def summarise(traces: list[str], fields: dict[str, float | int | str]) -> Result:

@@ -315,9 +315,8 @@ def _last_answer(threads: list[threading.Thread], results: list[float | None]) -
     """When the last of the requests was answered (inf if one was not)."""
     for thread in threads:
         thread.join(90)
-    if len(results) < len(threads) or None in results:
-        return float("inf")
-    return max((t for t in results if t is not None), default=float("inf"))
+    answered = [t for t in results if t is not None]
+    return max(answered) if answered and len(answered) == len(threads) else float("inf")
 
 
 def agent_frozen(world: FaultWorld, stopped_s: float, queued: int = 8) -> FreezeRun:
