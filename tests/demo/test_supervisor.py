@@ -69,3 +69,24 @@ def test_the_tree_ends_when_the_process_that_started_it_dies(tmp_path: Path) -> 
     while supervisor.alive(orphan) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not supervisor.alive(orphan), "the tree outlived the process that started it"
+
+
+def test_a_lowered_tree_in_a_session_of_its_own_is_niced_against_other_sessions_too() -> None:
+    # Where the kernel groups processes by session, a server started in a session of its
+    # own under `nice -n 10` still took a whole session's share of the cores from the node
+    # agent and the tests beside it: its session's group must be niced as well.
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    tree = subprocess.Popen(
+        [sys.executable, supervisor.__file__, "--", *sleeper], start_new_session=True
+    )
+    try:
+        child = wait_until(lambda: supervisor.descendants(tree.pid), 30, "the command")[0]
+        supervisor.lower_priority(tree.pid, 7)
+        assert os.getpriority(os.PRIO_PROCESS, tree.pid) == 7
+        assert os.getpriority(os.PRIO_PROCESS, child) == 7
+        group = Path(f"/proc/{tree.pid}/autogroup")
+        if group.exists():
+            assert group.read_text().split()[-1] == "7"
+    finally:
+        tree.terminate()
+        tree.wait(30)

@@ -4,9 +4,10 @@ serving test asks for them.
 Starting the plain-vLLM reference, the node agent and the co-located servers A and B, and
 serving the reference's tokens, takes a minute or two of CPU; the tests collected before
 the serving ones mostly wait on sockets and processes. So the session starts them at
-once, in a thread, at the servers' lower CPU priority (``conftest.SERVER_NICENESS``), and
-the fixtures take them from here. Nothing about the servers changes: they start the same
-way, together, as the start-up test checks.
+once, in a thread (a server starts at the session's priority and drops to
+``conftest.SERVER_NICENESS`` once it answers), and the fixtures take them from here.
+Nothing about the servers changes: they start the same way, together, as the start-up
+test checks.
 """
 
 from __future__ import annotations

@@ -25,7 +25,9 @@ class Sample:
     """One reading."""
 
     at: float
-    """Monotonic seconds."""
+    """Monotonic seconds when the books were asked for: the view is no older, so a check
+    of what held from some moment on counts only views asked for after it (the memory
+    readings come right after the view, which on loaded cores can take seconds)."""
     view: BooksView | None
     """The books (``None``: the agent did not answer within the interval)."""
     held: Mapping[str, int]
@@ -64,9 +66,10 @@ class BooksWatch:
 
     def sample(self) -> Sample:
         """One reading now."""
+        asked = time.monotonic()
         view = self._agent.try_view(timeout_s=self._interval)
         held = {name: memfd_bytes_of(tree()) or 0 for name, tree in self._trees.items()}
-        return Sample(time.monotonic(), view, held)
+        return Sample(asked, view, held)
 
     def _run(self) -> None:
         while not self._stop.is_set():

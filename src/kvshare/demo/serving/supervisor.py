@@ -78,6 +78,18 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+def lower_priority(pid: int, niceness: int) -> None:
+    """Run the process group of ``pid`` (a tree this module supervises, in a session of
+    its own) at CPU ``niceness``, and its session's scheduling group too: where the kernel
+    groups processes by session (``autogroup``, on by default; ``/proc/<pid>/autogroup``),
+    a process's niceness weighs only against the other processes of its session, and a
+    tree in a session of its own takes a whole session's share of the cores from every
+    other session, whatever its processes' niceness."""
+    os.setpriority(os.PRIO_PGRP, os.getpgid(pid), niceness)
+    with contextlib.suppress(FileNotFoundError):
+        Path(f"/proc/{pid}/autogroup").write_text(str(niceness))
+
+
 def _reap(keep: int | None = None) -> None:
     """Collect this process's exited children (re-parented orphans included), except
     ``keep``, which ``Popen`` waits for."""

@@ -118,10 +118,12 @@ class ServerOptions:
     """``PYTHONPATH`` that activates kvshare (default :func:`kvshare_runtime_path`)."""
     extra_args: Sequence[str] = ()
     niceness: int = 0
-    """CPU niceness of vLLM's processes (0: this process's own). Tests that measure the
-    node agent under load raise it: on a node the agent runs on CPU of its own (its
-    DaemonSet's request), while on a two-core test machine two decoding servers would
-    otherwise starve it, and the test would measure the machine rather than the agent."""
+    """CPU niceness of vLLM's processes once the server answers (0: this process's own;
+    its start-up keeps this process's, so that it is not starved by whatever else runs).
+    Tests that measure the node agent under load raise it: on a node the agent runs on
+    CPU of its own (its DaemonSet's request), while on a two-core test machine two
+    decoding servers would otherwise starve it, and the test would measure the machine
+    rather than the agent."""
 
     def argv(self, port: int) -> list[str]:
         """The ``vllm serve`` command line."""
@@ -214,8 +216,6 @@ class VllmServer:
             # whatever happens to vLLM's processes or to this one; its own process group
             # lets kill() reach every process at once.
             command = [sys.executable, supervisor.__file__, "--grace", str(GRACE_S), "--"]
-            if self.options.niceness:
-                command += ["nice", "-n", str(self.options.niceness)]  # execs: same process
             self.process = subprocess.Popen(
                 [*command, *self.options.argv(self.port)],
                 stdin=subprocess.DEVNULL,
@@ -261,6 +261,8 @@ class VllmServer:
                 )
             time.sleep(0.25)
         self._remember_tree()
+        if self.options.niceness and self.process is not None:
+            supervisor.lower_priority(self.process.pid, self.options.niceness)
         self.ready_after_s = time.monotonic() - self.started_at
         log.info("%s ready after %.1f s", self.name, self.ready_after_s)
         return self
