@@ -12,6 +12,12 @@ its normal entry point (the OpenAI completions API, streamed) and prints them:
   token.
 - *context*: ``n`` requests decoding with long prompts, against short ones: what the
   attention over the context adds per step.
+- *host*: the CPU time a request costs outside the engine's steps: the API process's
+  (parsing, scheduling output, detokenizing, streaming every token) and the client's
+  (reading the stream as the demo's clients do, a thread per request), for requests of
+  1, 16 and 64 output tokens. Fitted as ``per_request + per_token * tokens``. Read from
+  ``/proc`` (the API process's own CPU time, its engine process left out) and
+  ``time.thread_time`` in each client thread, so a busy machine stretches it little.
 
 Times are vLLM's own, taken in its engine process (the ``vllm:request_time_per_output_token``
 and ``vllm:request_prefill_time`` histograms of ``/metrics``, sums and counts before and
@@ -55,6 +61,9 @@ DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 PREFILL_TOKENS = (16, 128, 256, 512, 1024, 2048)
 CONTEXT_BATCH = 8
 CONTEXT_TOKENS = (16, 512, 1024, 2048)
+HOST_OUTPUTS = (1, 16, 64)
+HOST_REQUESTS = 96
+HOST_CONCURRENCY = 8
 REPEATS = 5
 DECODE_TOKENS = 128
 VOCAB = 4096
@@ -148,17 +157,18 @@ class Server:
     log: Path
 
     @classmethod
-    def start(cls, model: Path, workdir: Path, kv_gib: int) -> Server:
+    def start(cls, model: Path, workdir: Path, kv_gib: int, cpu: str) -> Server:
         port = _free_port()
         log = workdir / "vllm-serve.log"
         env = {
             **os.environ,
             "VLLM_CPU_KVCACHE_SPACE": str(kv_gib),
+            "VLLM_CPU_OMP_THREADS_BIND": cpu,
             "VLLM_CACHE_ROOT": str(workdir / "vllm-cache"),
         }
         argv = [
             *(sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model)),
-            *("--port", str(port), "--max-model-len", "4096", "--dtype", "bfloat16"),
+            *("--port", str(port), "--max-model-len", "4096", "--dtype", "auto"),
             *("--no-enable-prefix-caching", "--enforce-eager", "--max-num-seqs", "128"),
             *("--served-model-name", "tiny"),
         ]
@@ -196,24 +206,46 @@ class Server:
                 os.killpg(self.process.pid, signal.SIGKILL)
                 self.process.wait()
 
+    def _send(
+        self, prompt: list[int], max_tokens: int, **extra: bool
+    ) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+        """POST a greedy completion of exactly ``max_tokens`` tokens; the connection and
+        its response."""
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens}
+        body |= {"temperature": 0, "ignore_eos": True, **extra}
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=600)
+        conn.request(
+            "POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"}
+        )
+        return conn, conn.getresponse()
+
     def complete(self, prompt: list[int], max_tokens: int) -> None:
         """One completion of exactly ``max_tokens`` tokens."""
-        body = json.dumps(
-            {
-                "model": "tiny",
-                "prompt": prompt,
-                "max_tokens": max_tokens,
-                "temperature": 0,
-                "ignore_eos": True,
-            }
-        )
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=600)
-        conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
-        response = conn.getresponse()
+        conn, response = self._send(prompt, max_tokens)
         payload = response.read()
         conn.close()
         if response.status != 200:
             raise SystemExit(f"completion failed: {response.status} {payload[:500]!r}")
+
+    def stream(self, prompt: list[int], max_tokens: int) -> None:
+        """One streamed completion, read as the demo's clients read it (a JSON decode per
+        server-sent event, the token ids returned)."""
+        conn, response = self._send(prompt, max_tokens, return_token_ids=True, stream=True)
+        tokens = 0
+        while line := response.readline():
+            line = line.strip()
+            if line.startswith(b"data:") and line[5:].strip() != b"[DONE]":
+                for choice in json.loads(line[5:]).get("choices", ()):
+                    tokens += len(choice.get("token_ids") or ())
+        conn.close()
+        if response.status != 200 or tokens != max_tokens:
+            raise SystemExit(f"streamed completion failed: {response.status}, {tokens} tokens")
+
+    def api_cpu_s(self) -> float:
+        """CPU seconds the API process (the ``vllm serve`` process itself, all its threads,
+        not its engine process) has used."""
+        fields = Path(f"/proc/{self.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     def histogram(self, name: str) -> tuple[float, float]:
         """``(sum, count)`` of one of vLLM's histograms, from ``/metrics``."""
@@ -275,6 +307,33 @@ def prefill_step_s(server: Server, prompt_tokens: int, rng: random.Random) -> fl
     return server.mean_of("vllm:request_prefill_time_seconds", run)
 
 
+def host_cpu_s(server: Server, max_tokens: int, rng: random.Random) -> float:
+    """CPU seconds per request outside the engine (API process and client) for
+    :data:`HOST_REQUESTS` streamed requests of ``max_tokens`` output tokens,
+    :data:`HOST_CONCURRENCY` at a time."""
+    prompts = [_prompt(rng, 16) for _ in range(HOST_REQUESTS)]
+    client_s: list[float] = []
+    lock = threading.Lock()
+
+    def client(share: list[list[int]]) -> None:
+        started = time.thread_time()
+        for prompt in share:
+            server.stream(prompt, max_tokens)
+        with lock:
+            client_s.append(time.thread_time() - started)
+
+    api_before = server.api_cpu_s()
+    threads = [
+        threading.Thread(target=client, args=(prompts[i::HOST_CONCURRENCY],))
+        for i in range(HOST_CONCURRENCY)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return (server.api_cpu_s() - api_before + sum(client_s)) / HOST_REQUESTS
+
+
 def fit_step(points: list[tuple[float, float, float]]) -> tuple[float, float, float]:
     """Least squares ``seconds = fixed + per_token * tokens + per_context * context`` over
     ``(tokens, context, seconds)`` points."""
@@ -299,13 +358,19 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, help="a model folder (default: a tiny one)")
     parser.add_argument("--kv-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE")
+    parser.add_argument(
+        "--cpu",
+        default="0",
+        help="VLLM_CPU_OMP_THREADS_BIND: the cores of the engine's threads (default one "
+        "core, as the demo pins each server's worker)",
+    )
     parser.add_argument("--json", action="store_true", help="print the fit as JSON last")
     args = parser.parse_args()
     rng = random.Random(0)
     with tempfile.TemporaryDirectory(prefix="kvshare-calibrate-") as tmp:
         workdir = Path(tmp)
         model = args.model or build_tiny_model(workdir / "tiny-llama")
-        server = Server.start(model, workdir, args.kv_gib)
+        server = Server.start(model, workdir, args.kv_gib, args.cpu)
         try:
             decode_step_s(server, 4, rng)  # warm-up
             decode = [(float(n), decode_step_s(server, n, rng)) for n in DECODE_BATCHES]
@@ -314,6 +379,7 @@ def main() -> int:
                 (float(p), decode_step_s(server, CONTEXT_BATCH, rng, prompt_tokens=p))
                 for p in CONTEXT_TOKENS
             ]
+            host = [(float(n), host_cpu_s(server, n, rng)) for n in HOST_OUTPUTS]
         finally:
             server.stop()
     # A decode step of n requests with p prompt tokens computes n tokens over about
@@ -322,6 +388,9 @@ def main() -> int:
     points += [(CONTEXT_BATCH, CONTEXT_BATCH * (p + DECODE_TOKENS / 2), y) for p, y in context]
     fixed, per_token, per_context = fit_step(points)
     base, linear, quadratic = fit_prefill(prefill)
+    import numpy as np
+
+    host_token, host_request = np.polyfit([n for n, _ in host], [y for _, y in host], 1)
     print("decode: batch -> seconds per step")
     for n, seconds in decode:
         print(f"  {int(n):>5}  {seconds * 1e3:8.3f} ms")
@@ -331,11 +400,15 @@ def main() -> int:
     print("prefill: prompt tokens -> seconds of the prefill step")
     for p, seconds in prefill:
         print(f"  {int(p):>5}  {seconds * 1e3:8.3f} ms")
+    print("host: output tokens -> CPU seconds per request outside the engine")
+    for n, seconds in host:
+        print(f"  {int(n):>5}  {seconds * 1e3:8.3f} ms")
     print(
         f"fit: step = {fixed * 1e3:.3f} ms + {per_token * 1e6:.1f} us per decoded token + "
         f"{per_context * 1e9:.0f} ns per token of context; prefill = {base * 1e3:.2f} ms + "
         f"{linear * 1e6:.1f} us per prompt token + {quadratic * 1e9:.2f} ns per prompt token "
-        f"squared. A step costs twice its fixed part at {fixed / per_token:.0f} decoded "
+        f"squared; host = {host_request * 1e3:.2f} ms per request + {host_token * 1e6:.0f} us "
+        f"per streamed token. A step costs twice its fixed part at {fixed / per_token:.0f} decoded "
         f"tokens. Load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs."
     )
     if args.json:
@@ -349,6 +422,8 @@ def main() -> int:
                     "decode": decode,
                     "context": context,
                     "prefill": prefill,
+                    "host_s": [float(host_request), float(host_token)],
+                    "host": host,
                     "load_average": os.getloadavg(),
                 }
             )

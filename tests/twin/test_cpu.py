@@ -61,6 +61,13 @@ def test_the_cpu_step_cost_adds_its_measured_terms() -> None:
     assert cost.step_seconds(prefill) == pytest.approx(1e-3 + 200e-6 + 10e-6)
 
 
+def test_what_serving_costs_outside_the_engine_comes_with_every_token_and_request() -> None:
+    cost = CpuStepCost(1e-3, 10e-6, 0.0, 2e-6, 0.0, "hand", host_request_s=5e-3, host_token_s=1e-4)
+    # Four decoded tokens streamed, and two prompts done: two first tokens, two requests.
+    work = StepWork(prefill_tokens=100, decode_requests=4, first_tokens=2)
+    assert cost.step_seconds(work) == pytest.approx(1e-3 + 40e-6 + 200e-6 + 6 * 1e-4 + 2 * 5e-3)
+
+
 def _pair(gpu: str) -> Workload:
     """Two tiny models, one prompt each at t=0."""
     models = (ModelSpec("a", TINY_ARCHITECTURE), ModelSpec("b", TINY_ARCHITECTURE))
@@ -75,7 +82,7 @@ def test_engines_share_a_core_they_are_pinned_to_and_not_the_other() -> None:
     first_apart = sorted(r.ttft_s or 0.0 for r in apart.records)
     first_together = sorted(r.ttft_s or 0.0 for r in together.records)
     prefill = CALIBRATIONS[DEFAULT_CALIBRATION].step_seconds(
-        StepWork(prefill_tokens=512, prefill_attended=512 * 512)
+        StepWork(prefill_tokens=512, prefill_attended=512 * 512, first_tokens=1)
     )
     assert first_apart == pytest.approx([prefill, prefill])
     # On one core the second prompt waits for the first one's step.

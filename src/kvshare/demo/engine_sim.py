@@ -248,7 +248,7 @@ class EngineSim:
         if not preempted and self._waiting:
             more, more_attended = self._admit(None if left is None else left - prefill, prefilled)
             prefill, attended = prefill + more, attended + more_attended
-        work = StepWork(prefill, attended, decoded, context)
+        work = StepWork(prefill, attended, decoded, context, sum(e.first for e in prefilled))
         self._step = (work, prefilled)
         return work
 

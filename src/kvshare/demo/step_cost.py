@@ -26,12 +26,15 @@ class StepWork:
     length of the prompt it belongs to: divided by ``prefill_tokens`` it is the
     token-weighted prompt length the prefill's attention covers. ``decode_requests``
     requests each decode one token, attending to ``decode_context`` cached tokens in all.
+    ``first_tokens`` requests complete their prompt in the step and get their first token
+    with it (a cost model may price what serving a new request costs beyond its compute).
     """
 
     prefill_tokens: int = 0
     prefill_attended: int = 0
     decode_requests: int = 0
     decode_context: int = 0
+    first_tokens: int = 0
 
     @property
     def tokens(self) -> int:
