@@ -1,7 +1,7 @@
 """``make gpu-check``: what only a machine with an NVIDIA GPU can tell about kvshare.
 
 Needs an NVIDIA GPU with its driver, PyTorch built for CUDA and cuda-python; no engines,
-no model downloads, no network. Seven steps (one module each under ``bench/gpucheck/``),
+no model downloads, no network. Eight steps (one module each under ``bench/gpucheck/``),
 one JSON summary printed last, the whole under 8 minutes:
 
 1. ``gpu_tests`` — the ``gpu``-marked tests (``pytest -m gpu``), run for real.
@@ -21,6 +21,9 @@ one JSON summary printed last, the whole under 8 minutes:
    device memory outside its pool: the agent's audit must see it (NVML's per-process
    memory), count it and reclaim the excess from the worker's lease; nothing while the
    worker holds only its pool.
+8. ``shared_compute`` — one worker decoding alone, then two together: how much a step
+   stretches while another process keeps the GPU busy, against the twin's time-slicing
+   (twice as long); the measurement the twin's sharing model waits for.
 
 ``--write BENCHMARKS.md`` records the results in the report's GPU section, which
 ``make bench`` keeps. ``--dry-run`` (``make gpu-check --dry-run``) runs every step on a
@@ -53,6 +56,7 @@ sys.path.insert(0, str(ROOT / "src"))
 from gpucheck.colocated import start_worker  # noqa: E402 - after the path set-up above
 from gpucheck.machine import Setup, missing_packages, no_gpu_reason  # noqa: E402
 from gpucheck.overuse import overuse_worker  # noqa: E402
+from gpucheck.sharing import sharing_worker  # noqa: E402
 from gpucheck.summary import STEPS, gpu_section, run_steps  # noqa: E402
 from gpucheck.trade import trade_worker  # noqa: E402
 
@@ -71,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trade-worker", metavar="BACKEND", help=argparse.SUPPRESS)
     parser.add_argument("--start-worker", metavar="BACKEND", help=argparse.SUPPRESS)
     parser.add_argument("--overuse-worker", metavar="BACKEND", help=argparse.SUPPRESS)
+    parser.add_argument("--sharing-worker", metavar="BACKEND", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.trade_worker:
         return trade_worker(args.trade_worker)
@@ -78,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
         return start_worker(args.start_worker)
     if args.overuse_worker:
         return overuse_worker(args.overuse_worker)
+    if args.sharing_worker:
+        return sharing_worker(args.sharing_worker)
     if not args.dry_run:
         reason = no_gpu_reason()
         if reason is not None:

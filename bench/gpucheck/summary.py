@@ -13,6 +13,7 @@ from gpucheck.gpu_tests import run_gpu_tests
 from gpucheck.machine import Setup
 from gpucheck.overuse import lease_enforcement
 from gpucheck.page_ops import measure_page_ops
+from gpucheck.sharing import shared_compute
 from gpucheck.trade import trade_memory
 
 #: The whole check must fit in this (the device time one run may take).
@@ -26,6 +27,7 @@ STEPS: dict[str, Callable[[Setup], dict[str, Any]]] = {
     "fence": fence_check,
     "colocated_start": colocated_start,
     "lease_enforcement": lease_enforcement,
+    "shared_compute": shared_compute,
 }
 
 

@@ -4,8 +4,8 @@ The dry run is the check's own test here: every step runs for real on the host b
 (page operations against libc, the decoder on the CPU, the node agent and two worker
 processes trading memory, a kernel on the host stream racing an unmap, two workers starting
 together through the broker, the node agent on a fake NVML catching a worker over its
-lease), only the GPU is absent. On a GPU machine the same script runs
-the ``cuda`` backend instead. ``make gpu-check --dry-run`` runs the same dry run.
+lease, two decoders sharing the cores), only the GPU is absent. On a GPU machine the same
+script runs the ``cuda`` backend instead. ``make gpu-check --dry-run`` runs the same dry run.
 """
 
 from __future__ import annotations
@@ -76,6 +76,9 @@ def test_the_dry_run_exercises_every_step_and_records_them(tmp_path: Path) -> No
     assert trade["b_blocks_verified"] is True
     assert trade["b_held_bytes"] >= trade["budget_bytes"] // 4
     assert trade["a_at_end_bytes"] + trade["b_held_bytes"] <= trade["budget_bytes"]
+    shared = summary["shared_compute"]
+    assert shared["step_ms_alone"] > 0 and len(shared["step_ms_together"]) == 2
+    assert shared["stretch"] > 0 and shared["twin_stretch"] == 2.0
     text = report.read_text()
     assert "kept" in text
     assert "## GPU check (dry run: host backend, no GPU)" in text
