@@ -483,10 +483,10 @@ class KVPool:
             over = pages.held - limit - pages.fenced
             ready = len(blocks.ready)
             if over > 0:
-                # Down to the lease, and the reserve trimmed as well in the same pass.
-                excess = ready - self._reserve_pages
-                droppable = ready - self._spare_pages()
-                drop = blocks.take_ready_pages(min(max(over, excess), droppable))
+                # Down to the lease and the reserve; spare pages are kept only while over.
+                excess, droppable = ready - self._reserve_pages, ready - self._spare_pages()
+                keep_spares = droppable < over
+                drop = blocks.take_ready_pages(droppable if keep_spares else max(over, excess))
                 grow: list[int] = []
             else:
                 drop = blocks.take_ready_pages(ready - self._reserve_pages)
