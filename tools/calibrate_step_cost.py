@@ -18,6 +18,11 @@ its normal entry point (the OpenAI completions API, streamed) and prints them:
   1, 16 and 64 output tokens. Fitted as ``per_request + per_token * tokens``. Read from
   ``/proc`` (the API process's own CPU time, its engine process left out) and
   ``time.thread_time`` in each client thread, so a busy machine stretches it little.
+- *scheduler*: the CPU time vLLM's engine-core process (scheduling each step, handing
+  it to the worker, processing its output) spends per step, in the same runs (its
+  ``/proc`` CPU time over the ``vllm:iteration_tokens_total`` count). It runs beside the
+  worker that computes the step, so a step's time does not show it; on cores that are
+  all busy it is compute the engines do not get. The median over the three runs.
 
 Times are vLLM's own, taken in its engine process (the ``vllm:request_time_per_output_token``
 and ``vllm:request_prefill_time`` histograms of ``/metrics``, sums and counts before and
@@ -241,11 +246,18 @@ class Server:
         if response.status != 200 or tokens != max_tokens:
             raise SystemExit(f"streamed completion failed: {response.status}, {tokens} tokens")
 
-    def api_cpu_s(self) -> float:
-        """CPU seconds the API process (the ``vllm serve`` process itself, all its threads,
-        not its engine process) has used."""
-        fields = Path(f"/proc/{self.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    def engine_core_pid(self) -> int:
+        """The server's engine-core process (vLLM's scheduler, a child of the API process)."""
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                try:
+                    comm = (entry / "comm").read_text()
+                    parent = (entry / "stat").read_text().rsplit(")", 1)[1].split()[1]
+                except OSError:
+                    continue
+                if comm.startswith("VLLM::EngineCor") and int(parent) == self.process.pid:
+                    return int(entry.name)
+        raise SystemExit("no VLLM::EngineCore process below the server; is this vLLM V1?")
 
     def histogram(self, name: str) -> tuple[float, float]:
         """``(sum, count)`` of one of vLLM's histograms, from ``/metrics``."""
@@ -269,6 +281,12 @@ class Server:
         if count1 <= count0:
             raise SystemExit(f"{name} did not move; is this vLLM's V1 engine?")
         return (sum1 - sum0) / (count1 - count0)
+
+
+def _cpu_s(pid: int) -> float:
+    """CPU seconds process ``pid`` (all its threads) has used."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _prompt(rng: random.Random, tokens: int) -> list[int]:
@@ -307,10 +325,11 @@ def prefill_step_s(server: Server, prompt_tokens: int, rng: random.Random) -> fl
     return server.mean_of("vllm:request_prefill_time_seconds", run)
 
 
-def host_cpu_s(server: Server, max_tokens: int, rng: random.Random) -> float:
-    """CPU seconds per request outside the engine (API process and client) for
-    :data:`HOST_REQUESTS` streamed requests of ``max_tokens`` output tokens,
-    :data:`HOST_CONCURRENCY` at a time."""
+def host_cpu_s(server: Server, max_tokens: int, rng: random.Random) -> tuple[float, float]:
+    """For :data:`HOST_REQUESTS` streamed requests of ``max_tokens`` output tokens,
+    :data:`HOST_CONCURRENCY` at a time: the CPU seconds per request outside the engine (the
+    API process and the client), and the engine-core process's CPU seconds per step (its
+    scheduling and output handling, beside the worker that computes the step)."""
     prompts = [_prompt(rng, 16) for _ in range(HOST_REQUESTS)]
     client_s: list[float] = []
     lock = threading.Lock()
@@ -322,7 +341,9 @@ def host_cpu_s(server: Server, max_tokens: int, rng: random.Random) -> float:
         with lock:
             client_s.append(time.thread_time() - started)
 
-    api_before = server.api_cpu_s()
+    api, core = server.process.pid, server.engine_core_pid()
+    api_before, core_before = _cpu_s(api), _cpu_s(core)
+    _, steps_before = server.histogram("vllm:iteration_tokens_total")
     threads = [
         threading.Thread(target=client, args=(prompts[i::HOST_CONCURRENCY],))
         for i in range(HOST_CONCURRENCY)
@@ -331,7 +352,9 @@ def host_cpu_s(server: Server, max_tokens: int, rng: random.Random) -> float:
         thread.start()
     for thread in threads:
         thread.join()
-    return (server.api_cpu_s() - api_before + sum(client_s)) / HOST_REQUESTS
+    _, steps_after = server.histogram("vllm:iteration_tokens_total")
+    host = (_cpu_s(api) - api_before + sum(client_s)) / HOST_REQUESTS
+    return host, (_cpu_s(core) - core_before) / max(1.0, steps_after - steps_before)
 
 
 def fit_step(points: list[tuple[float, float, float]]) -> tuple[float, float, float]:
@@ -379,7 +402,7 @@ def main() -> int:
                 (float(p), decode_step_s(server, CONTEXT_BATCH, rng, prompt_tokens=p))
                 for p in CONTEXT_TOKENS
             ]
-            host = [(float(n), host_cpu_s(server, n, rng)) for n in HOST_OUTPUTS]
+            measured = [(float(n), *host_cpu_s(server, n, rng)) for n in HOST_OUTPUTS]
         finally:
             server.stop()
     # A decode step of n requests with p prompt tokens computes n tokens over about
@@ -390,7 +413,9 @@ def main() -> int:
     base, linear, quadratic = fit_prefill(prefill)
     import numpy as np
 
+    host = [(n, seconds) for n, seconds, _ in measured]
     host_token, host_request = np.polyfit([n for n, _ in host], [y for _, y in host], 1)
+    scheduler = float(np.median([per_step for _, _, per_step in measured]))
     print("decode: batch -> seconds per step")
     for n, seconds in decode:
         print(f"  {int(n):>5}  {seconds * 1e3:8.3f} ms")
@@ -408,7 +433,8 @@ def main() -> int:
         f"{per_context * 1e9:.0f} ns per token of context; prefill = {base * 1e3:.2f} ms + "
         f"{linear * 1e6:.1f} us per prompt token + {quadratic * 1e9:.2f} ns per prompt token "
         f"squared; host = {host_request * 1e3:.2f} ms per request + {host_token * 1e6:.0f} us "
-        f"per streamed token. A step costs twice its fixed part at {fixed / per_token:.0f} decoded "
+        f"per streamed token; the engine-core process {scheduler * 1e3:.2f} ms of CPU per "
+        f"step. A step costs twice its fixed part at {fixed / per_token:.0f} decoded "
         f"tokens. Load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs."
     )
     if args.json:
@@ -423,6 +449,7 @@ def main() -> int:
                     "context": context,
                     "prefill": prefill,
                     "host_s": [float(host_request), float(host_token)],
+                    "scheduler_step_s": scheduler,
                     "host": host,
                     "load_average": os.getloadavg(),
                 }

@@ -62,10 +62,23 @@ def test_the_cpu_step_cost_adds_its_measured_terms() -> None:
 
 
 def test_what_serving_costs_outside_the_engine_comes_with_every_token_and_request() -> None:
-    cost = CpuStepCost(1e-3, 10e-6, 0.0, 2e-6, 0.0, "hand", host_request_s=5e-3, host_token_s=1e-4)
-    # Four decoded tokens streamed, and two prompts done: two first tokens, two requests.
+    cost = CpuStepCost(
+        1e-3,
+        10e-6,
+        0.0,
+        2e-6,
+        0.0,
+        "hand",
+        host_request_s=5e-3,
+        host_token_s=1e-4,
+        scheduler_step_s=2e-3,
+    )
+    # Four decoded tokens streamed, and two prompts done: two first tokens, two requests,
+    # and the engine-core process's own CPU for the step.
     work = StepWork(prefill_tokens=100, decode_requests=4, first_tokens=2)
-    assert cost.step_seconds(work) == pytest.approx(1e-3 + 40e-6 + 200e-6 + 6 * 1e-4 + 2 * 5e-3)
+    assert cost.step_seconds(work) == pytest.approx(
+        1e-3 + 40e-6 + 200e-6 + 6 * 1e-4 + 2 * 5e-3 + 2e-3
+    )
 
 
 def _pair(gpu: str) -> Workload:
