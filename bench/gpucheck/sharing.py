@@ -20,6 +20,7 @@ run the workers share the host's cores instead (two cores, two workers: ``stretc
 from __future__ import annotations
 
 import json
+import select
 import statistics
 import subprocess
 import sys
@@ -48,6 +49,10 @@ def sharing_worker(backend_kind: str) -> int:
     import torch
 
     setup = Setup(dry_run=backend_kind == "host")
+    if setup.dry_run:
+        # One thread a worker, a core each: two processes of spinning OpenMP threads on
+        # two cores slow each other a hundredfold, which would measure the host's threads.
+        torch.set_num_threads(1)
     shape = DRY_DECODER if setup.dry_run else GPU_DECODER
     dtype = torch.float32 if setup.dry_run else torch.bfloat16
     model = build_decoder(shape, setup.torch_device, dtype)
@@ -77,8 +82,10 @@ def _say(message: dict[str, Any]) -> None:
 
 
 def _read(stream: IO[str], deadline: float, what: str) -> dict[str, Any]:
-    line = stream.readline()
-    if not line or time.monotonic() > deadline:
+    """A worker's next answer, by ``deadline`` (one line: it says nothing more meanwhile)."""
+    ready, _, _ = select.select([stream], [], [], max(0.0, deadline - time.monotonic()))
+    line = stream.readline() if ready else ""
+    if not line:
         raise RuntimeError(f"a sharing worker ended or stalled before {what}")
     answer: dict[str, Any] = json.loads(line)
     return answer
