@@ -224,7 +224,7 @@ class PoolProcess:
         line = self.process.stdout.readline()
         if not line:
             stderr = self.process.stderr.read() if self.process.stderr else ""
-            pytest.fail(f"pool process {self.process.pid} died: {stderr}")
+            pytest.fail(f"pool process {self.process.pid} died ({self.process.wait()}): {stderr}")
         reply: dict[str, Any] = json.loads(line)
         return reply
 

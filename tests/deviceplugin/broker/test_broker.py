@@ -320,12 +320,15 @@ def test_a_pool_that_misses_the_reclaim_deadline_is_reported_not_ignored(
     agent_factory: AgentFactory, pool_factory: PoolFactory
 ) -> None:
     agent = agent_factory(GPU_SPEC, *HEADROOM, "--reclaim-deadline", "0.5")
-    hog = pool_factory(agent, "hog", priority=10)
+    # It never asks beyond 1.25 GiB (its asks grow geometrically while it keeps running
+    # out): the other pool has room to start.
+    hog = pool_factory(agent, "hog", priority=10, capacity=1280 * MIB)
     hog.demand(1024 * MIB)
     wait_until(uses(hog, 1024 * MIB), what="the hog's load")
     hog.demand(0)  # its load is gone, its lease stays: a fair broker reclaims it ...
     wait_until(uses(hog, 0), what="the hog to free its blocks")
     hog_lease = hog.status()["limit"]
+    print("HOG", hog_lease / MIB, agent.pools()["test/hog"])
     os.kill(hog.pid, signal.SIGSTOP)  # ... but the hog hangs and never answers
     try:
         other = pool_factory(agent, "other", priority=500)

@@ -92,6 +92,18 @@ def test_a_quiet_pool_below_its_entitlement_keeps_headroom_above_what_it_uses() 
     assert asked[quiet].limit == pytest.approx(GIB + headroom, abs=2 * 2**20)
 
 
+def test_by_default_a_quiet_pool_gives_back_all_it_does_not_use() -> None:
+    # Headroom kept with every quiet pool cost more capacity at the SLO than it saved (see
+    # the policy's module doc): a short pool gets everything a quiet one does not use.
+    books = Books([GPU], headroom=GIB)
+    quiet = admit(books, "quiet", 10, kv_min=0)
+    books.want(quiet, 1, 4 * GIB, 0.0)
+    books.report(quiet, Report(mapped=GIB, used=GIB, cached=0, reserved=0), 0.0)
+    hungry = admit(books, "hungry", 11, kv_min=0)
+    asked = reclaims(books.want(hungry, 1, 11 * GIB, 5.0))
+    assert asked[quiet].limit == GIB
+
+
 def test_a_quiet_pools_prefix_cache_is_lent_on_to_a_busy_pool_above_its_entitlement() -> None:
     # A quiet vLLM server's freed blocks stay as prefix cache until it needs room, so its
     # whole lease reports as used; the pool evicts them as soon as its lease is lowered.
