@@ -13,7 +13,9 @@ fake GPU of 48 MiB of KV memory), run twice:
   the same trace, counted as the demo counts its clients (:mod:`kvshare.twin.demo_check`).
 
 Per world: requests served, abandoned, TTFT p50/p99 (the queueing delay of every arrived
-request), real and twin side by side; ``*_served_error`` = |twin / real - 1| and
+request), real and twin side by side, and the engine steps each took, with the CPU the
+real servers' processes spent per step by role (worker, engine core, API process), which
+the twin's step cost prices; ``*_served_error`` = |twin / real - 1| and
 ``*_ttft_p50_error`` likewise (targets: 0.10 and 0.25). The twin also runs with the
 other calibration and with MPS-style sharing (``twin_alt_*``), to show how far the
 result moves with the step cost and the sharing model. The load average before and after
@@ -29,6 +31,7 @@ from pathlib import Path
 from elastic_vllm import GPU_BYTES, run_trace, world_waits
 from harness import Result, Target
 from kvshare.demo import trace as trace_mod
+from kvshare.demo.options import DemoOutcome
 from kvshare.demo.real_server import trace_config
 from kvshare.demo.stats import percentile
 from kvshare.twin.cpu import CALIBRATIONS, DEFAULT_CALIBRATION
@@ -37,6 +40,8 @@ from kvshare.twin.worlds import run_world
 
 #: The demo's world name for each twin world.
 WORLDS = {"static": "static", "elastic": "kvshare"}
+#: The real servers' processes by role (``VllmServer.cpu_seconds``).
+ROLES = ("worker", "engine_core", "api")
 PATIENCE_S = 5.0
 
 
@@ -55,11 +60,25 @@ def twin_fields(
     options = check_options(trace, sharing)
     fields: dict[str, float | int | str] = {}
     for mode, world in WORLDS.items():
-        view = client_view(run_world(world, workload, options), trace.config.duration_s, PATIENCE_S)
+        result = run_world(world, workload, options)
+        view = client_view(result, trace.config.duration_s, PATIENCE_S)
+        fields[f"{prefix}{mode}_steps"] = result.steps
         fields[f"{prefix}{mode}_served"] = view.served
         fields[f"{prefix}{mode}_abandoned"] = view.abandoned
         fields[f"{prefix}{mode}_ttft_p50_s"] = round(view.ttft_p50_s, 3)
         fields[f"{prefix}{mode}_ttft_p99_s"] = round(view.ttft_p99_s, 3)
+    return fields
+
+
+def step_fields(outcome: DemoOutcome, mode: str) -> dict[str, float | int]:
+    """The real servers' engine steps in the world of ``mode``, and the CPU their
+    processes spent per step by role (milliseconds): what the twin's step cost prices."""
+    results = [r for r in outcome.results if r.mode == mode]
+    steps = sum(r.steps for r in results)
+    fields: dict[str, float | int] = {f"real_{mode}_steps": steps}
+    for role in ROLES:
+        cpu_s = sum(r.cpu_s.get(role, 0.0) for r in results)
+        fields[f"real_{mode}_{role}_ms_per_step"] = round(1000 * cpu_s / steps, 2) if steps else 0.0
     return fields
 
 
@@ -81,6 +100,7 @@ def run(quick: bool) -> Result:
         fields[f"real_{mode}_abandoned"] = summary.abandoned
         fields[f"real_{mode}_ttft_p50_s"] = round(percentile(waits, 50), 3)
         fields[f"real_{mode}_ttft_p99_s"] = round(percentile(waits, 99), 3)
+        fields.update(step_fields(outcome, mode))
     fields.update(twin_fields(trace, DEFAULT_CALIBRATION, "time-slicing", "twin_"))
     other = next(name for name in CALIBRATIONS if name != DEFAULT_CALIBRATION)
     fields.update(twin_fields(trace, other, "time-slicing", "twin_alt_calibration_"))

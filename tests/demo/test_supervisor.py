@@ -90,3 +90,35 @@ def test_a_lowered_tree_in_a_session_of_its_own_is_niced_against_other_sessions_
     finally:
         tree.terminate()
         tree.wait(30)
+
+
+def test_cpu_is_summed_by_depth_below_a_process(tmp_path: Path) -> None:
+    # A process with a child that sleeps, below it a grandchild that burns a third of a
+    # second of CPU and then sleeps: what the serving benchmarks read to tell vLLM's API,
+    # engine-core and worker processes apart.
+    done = tmp_path / "burnt"
+    burn = (
+        "import time, pathlib; end = time.process_time() + 0.3\n"
+        "while time.process_time() < end: pass\n"
+        f"pathlib.Path({str(done)!r}).touch(); time.sleep(60)"
+    )
+    child = (
+        "import subprocess, sys, time; "
+        f"subprocess.Popen([sys.executable, '-c', {burn!r}]); time.sleep(60)"
+    )
+    parent = (
+        "import subprocess, sys, time; "
+        f"subprocess.Popen([sys.executable, '-c', {child!r}]); time.sleep(60)"
+    )
+    process = subprocess.Popen([sys.executable, "-c", parent])
+    try:
+        wait_until(done.exists, what="the grandchild's burn")
+        depths = supervisor.cpu_by_depth(process.pid)
+        assert depths[2] >= 0.3
+        assert depths[1] < depths[2]
+        assert set(depths) == {1, 2}
+    finally:
+        for pid in supervisor.descendants(process.pid):
+            os.kill(pid, signal.SIGKILL)
+        process.kill()
+        process.wait()

@@ -62,6 +62,8 @@ TINY_KV_BYTES_PER_TOKEN = 4 * 2 * 2 * 64 * 4
 BLOCK_TOKENS = 32
 #: Longest prompt plus output the servers accept (``--max-model-len``).
 MAX_MODEL_LEN = 2048
+#: vLLM's histogram of tokens per engine step: its count is the steps taken.
+STEPS_METRIC = "vllm:iteration_tokens_total_count"
 
 
 def trace_config(
@@ -286,6 +288,8 @@ def serve(args: argparse.Namespace, channel: Channel) -> None:
         start = wait_for_start(sys.stdin)
         replay = Replay(server.url, config, requests)
         memory = _Memory(args.mode, args.share_bytes or 0, args.pod, args.agent_metrics)
+        steps_before = total(scrape(f"{server.url}/metrics"), STEPS_METRIC)
+        cpu_before = server.cpu_seconds()
         next_sample = 0.0
         while True:
             now_s = min(time.monotonic() - start, config.duration_s)
@@ -299,6 +303,7 @@ def serve(args: argparse.Namespace, channel: Channel) -> None:
         served, abandoned, arrived = replay.counts(config.duration_s)
         waits, arrivals = replay.waits(config.duration_s)
         vllm = scrape(f"{server.url}/metrics")
+        cpu_after = server.cpu_seconds()
         send(
             ServerResult(
                 mode=args.mode,
@@ -313,6 +318,11 @@ def serve(args: argparse.Namespace, channel: Channel) -> None:
                 reclaimed_bytes=memory.reclaimed_bytes,
                 waits_s=waits,
                 wait_arrivals_s=arrivals,
+                steps=int(total(vllm, STEPS_METRIC) - steps_before),
+                cpu_s={
+                    role: round(cpu_s - cpu_before.get(role, 0.0), 2)
+                    for role, cpu_s in cpu_after.items()
+                },
             ).to_json()
         )
     finally:

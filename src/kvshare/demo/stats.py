@@ -93,6 +93,12 @@ class ServerResult:
     world: str = ""
     """Which run it belongs to when a demo runs several elastic worlds (one per broker
     policy); empty means its mode's."""
+    steps: int = 0
+    """Engine steps during the replay (real servers: vLLM's ``vllm:iteration_tokens_total``
+    count)."""
+    cpu_s: dict[str, float] = field(default_factory=dict)
+    """Real servers: CPU seconds their processes spent during the replay, by role
+    (:meth:`~kvshare.demo.serving.vllm_server.VllmServer.cpu_seconds`)."""
 
     def to_json(self) -> str:
         payload = asdict(self)

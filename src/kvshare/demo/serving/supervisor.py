@@ -39,18 +39,21 @@ def _prctl(option: int, value: int) -> None:
         ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0)
 
 
-def _processes() -> list[tuple[int, int, str]]:
-    """(pid, parent pid, state) of every process, from ``/proc``."""
+def _processes() -> list[tuple[int, int, str, float]]:
+    """(pid, parent pid, state, CPU seconds so far: user + system) of every process, from
+    ``/proc``."""
     table = []
+    tick = os.sysconf("SC_CLK_TCK")
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
             # The command name (field 2) may hold spaces and parentheses: split after it.
             fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
+            cpu_s = (int(fields[11]) + int(fields[12])) / tick
+        except (OSError, IndexError, ValueError):
             continue
-        table.append((int(entry.name), int(fields[1]), fields[0]))
+        table.append((int(entry.name), int(fields[1]), fields[0], cpu_s))
     return table
 
 
@@ -66,7 +69,7 @@ def alive(pid: int) -> bool:
 def descendants(pid: int) -> list[int]:
     """Every live process below ``pid`` (children, their children, ...)."""
     children: dict[int, list[int]] = {}
-    for child, parent, state in _processes():
+    for child, parent, state, _ in _processes():
         if state not in {"Z", "X"}:
             children.setdefault(parent, []).append(child)
     found: list[int] = []
@@ -75,6 +78,23 @@ def descendants(pid: int) -> list[int]:
         below = children.get(todo.pop(), [])
         found.extend(below)
         todo.extend(below)
+    return found
+
+
+def cpu_by_depth(pid: int) -> dict[int, float]:
+    """CPU seconds so far (user + system) of the live processes below ``pid``, summed by
+    depth: 1 for its children, 2 for theirs, and so on."""
+    children: dict[int, list[tuple[int, float]]] = {}
+    for child, parent, state, cpu_s in _processes():
+        if state not in {"Z", "X"}:
+            children.setdefault(parent, []).append((child, cpu_s))
+    found: dict[int, float] = {}
+    todo = [(pid, 0)]
+    while todo:
+        parent, depth = todo.pop()
+        for child, cpu_s in children.get(parent, []):
+            found[depth + 1] = found.get(depth + 1, 0.0) + cpu_s
+            todo.append((child, depth + 1))
     return found
 
 
@@ -94,7 +114,7 @@ def _reap(keep: int | None = None) -> None:
     """Collect this process's exited children (re-parented orphans included), except
     ``keep``, which ``Popen`` waits for."""
     me = os.getpid()
-    for pid, parent, state in _processes():
+    for pid, parent, state, _ in _processes():
         if parent == me and state == "Z" and pid != keep:
             with contextlib.suppress(ChildProcessError):
                 os.waitpid(pid, os.WNOHANG)

@@ -273,6 +273,21 @@ class VllmServer:
             return []
         return [self.process.pid, *descendants(self.process.pid)]
 
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU seconds so far of the server's live processes by role: ``api`` (the
+        ``vllm serve`` process, which speaks HTTP), ``engine_core`` (vLLM's engine-core
+        process, which schedules every step) and ``worker`` (the processes below it, which
+        compute the steps). Processes that have exited are no longer counted."""
+        if self.process is None:
+            return {}
+        # Below the supervisor: vllm serve, then its engine core, then the workers.
+        depths = supervisor.cpu_by_depth(self.process.pid)
+        return {
+            "api": depths.get(1, 0.0),
+            "engine_core": depths.get(2, 0.0),
+            "worker": sum(cpu_s for depth, cpu_s in depths.items() if depth >= 3),
+        }
+
     def _remember_tree(self) -> None:
         """Note every process of the tree seen so far: a worker reparented away from a dead
         parent is still found (and ended) by :meth:`stop`."""
