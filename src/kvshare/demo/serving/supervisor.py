@@ -66,35 +66,34 @@ def alive(pid: int) -> bool:
     return state not in {"Z", "X"}
 
 
+def _below(pid: int) -> list[tuple[int, int, float]]:
+    """(pid, depth, CPU seconds so far) of every live process below ``pid``: depth 1 for
+    its children, 2 for theirs, and so on."""
+    children: dict[int, list[tuple[int, float]]] = {}
+    for child, parent, state, cpu_s in _processes():
+        if state not in {"Z", "X"}:
+            children.setdefault(parent, []).append((child, cpu_s))
+    found: list[tuple[int, int, float]] = []
+    todo = [(pid, 0)]
+    while todo:
+        parent, depth = todo.pop()
+        for child, cpu_s in children.get(parent, []):
+            found.append((child, depth + 1, cpu_s))
+            todo.append((child, depth + 1))
+    return found
+
+
 def descendants(pid: int) -> list[int]:
     """Every live process below ``pid`` (children, their children, ...)."""
-    children: dict[int, list[int]] = {}
-    for child, parent, state, _ in _processes():
-        if state not in {"Z", "X"}:
-            children.setdefault(parent, []).append(child)
-    found: list[int] = []
-    todo = [pid]
-    while todo:
-        below = children.get(todo.pop(), [])
-        found.extend(below)
-        todo.extend(below)
-    return found
+    return [child for child, _, _ in _below(pid)]
 
 
 def cpu_by_depth(pid: int) -> dict[int, float]:
     """CPU seconds so far (user + system) of the live processes below ``pid``, summed by
     depth: 1 for its children, 2 for theirs, and so on."""
-    children: dict[int, list[tuple[int, float]]] = {}
-    for child, parent, state, cpu_s in _processes():
-        if state not in {"Z", "X"}:
-            children.setdefault(parent, []).append((child, cpu_s))
     found: dict[int, float] = {}
-    todo = [(pid, 0)]
-    while todo:
-        parent, depth = todo.pop()
-        for child, cpu_s in children.get(parent, []):
-            found[depth + 1] = found.get(depth + 1, 0.0) + cpu_s
-            todo.append((child, depth + 1))
+    for _, depth, cpu_s in _below(pid):
+        found[depth] = found.get(depth, 0.0) + cpu_s
     return found
 
 
