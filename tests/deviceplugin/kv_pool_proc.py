@@ -28,7 +28,8 @@ from kvshare.runtime.broker_client import (
     PoolPolicy,
 )
 from kvshare.runtime.geometry import KVGeometry
-from kvshare.runtime.pool import DEFAULT_LEASE_CHUNK_BYTES, KVPool
+from kvshare.runtime.pool import KVPool
+from kvshare.runtime.pool_lease import DEFAULT_LEASE_CHUNK_BYTES
 
 PAGE = 2 * 2**20
 

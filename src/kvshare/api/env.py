@@ -196,8 +196,8 @@ RESERVE_PAGES = EnvVar(
 LEASE_CHUNK = EnvVar(
     "KVSHARE_LEASE_CHUNK",
     None,
-    "lease an engine's pool asks the broker for at a time (its growth step; unset: 256Mi); "
-    "a GPU far smaller than a datacenter one wants a smaller step",
+    "lease an engine's pool asks the broker for at a time (its growth step; unset: 32Mi); "
+    "a larger step sends fewer messages and leaves more memory idle with each growing pool",
     _bytes,
     "runtime",
 )

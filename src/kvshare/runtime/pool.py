@@ -77,7 +77,7 @@ from kvshare.runtime.ownership import LocalOwnership, Ownership
 from kvshare.runtime.paging import Paging
 from kvshare.runtime.pool_blocks import NULL_BLOCK, Exhausted, PageBlocks
 from kvshare.runtime.pool_eviction import Eviction, Evictor
-from kvshare.runtime.pool_lease import WANT_RETRY_S, LeaseLimit
+from kvshare.runtime.pool_lease import DEFAULT_LEASE_CHUNK_BYTES, WANT_RETRY_S, LeaseLimit
 from kvshare.runtime.pool_pages import Pages
 from kvshare.runtime.pool_reports import PoolSnapshot, Reporter
 
@@ -93,16 +93,6 @@ log = logging.getLogger(__name__)
 DEFAULT_RESERVE_PAGES = 4
 _ALLOC_ROUNDS = 4  # of the slow path, when other threads take the pages it waited for
 _IN_FLIGHT_WAIT_S = 1.0  # longest wait for pages in flight before trying again
-#: What a pool asks the broker for at a time (rounded up to whole pages, at least its
-#: reserve): about one chat request's KV cache on an 8B model. A grant larger than the
-#: pool's next requests need stays idle with it until the broker takes it back, and while
-#: the pool's ask is fresh (a second) the broker does not. In the twin on an H200, at the
-#: SLO, on 20 workloads the capacity suite does not hold (seeds 3 and 4 of every family;
-#: the entitlement policy's module doc), kvshare reached 0.94-0.99 of first-come's
-#: capacity (median 0.975) with asks of 256 MiB and the policy's old headroom, 0.96-1.01
-#: (median 0.994) with asks of 32 MiB and no headroom. Growing a pool by a gigabyte takes
-#: at most 32 asks, fewer while it keeps running out (its step doubles).
-DEFAULT_LEASE_CHUNK_BYTES = 32 * 2**20
 _WANT_RETRY_S = WANT_RETRY_S  # how often the first page's ask is said again
 _SHRINK_POLL_S = 0.5
 

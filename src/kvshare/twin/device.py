@@ -21,7 +21,7 @@ from typing import Protocol
 
 from kvshare.demo.engine_api import SchedulerLimits
 from kvshare.demo.step_cost import CostModel, StepWork
-from kvshare.runtime.pool import DEFAULT_LEASE_CHUNK_BYTES
+from kvshare.runtime.pool_lease import DEFAULT_LEASE_CHUNK_BYTES
 from kvshare.twin import cpu
 from kvshare.twin.arbiter import roofline_demand
 from kvshare.twin.gpus import GpuKind, gpu_kind

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from kvshare.runtime.geometry import KVGeometry
-from kvshare.runtime.pool import DEFAULT_LEASE_CHUNK_BYTES
+from kvshare.runtime.pool_lease import DEFAULT_LEASE_CHUNK_BYTES
 from kvshare.twin.models import Footprint
 
 __all__ = ["GRANULE", "PAGE_LAYOUTS", "PageLayout", "PoolShape", "pool_shape"]

@@ -153,7 +153,7 @@ def _granted_gpu_total(rank: int) -> int:
 
 
 def _lease_chunk() -> int:
-    from kvshare.runtime.pool import DEFAULT_LEASE_CHUNK_BYTES
+    from kvshare.runtime.pool_lease import DEFAULT_LEASE_CHUNK_BYTES
 
     chunk = env.LEASE_CHUNK.read()
     return DEFAULT_LEASE_CHUNK_BYTES if chunk is None else chunk
