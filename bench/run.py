@@ -46,6 +46,7 @@ BENCHMARKS = (
     "vllm-overhead",
     "elastic-vllm",
     "twin-check",
+    "cpu-sharing",
     "agent-faults",
 )
 

@@ -179,7 +179,7 @@ class Server:
         ]
         with log.open("wb") as out:
             process = subprocess.Popen(
-                argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+                argv, stdout=out, stderr=subprocess.STDOUT, env=env, process_group=0
             )
         server = cls(process, port, log)
         server.wait_ready(timeout_s=300)

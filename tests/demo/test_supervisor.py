@@ -92,6 +92,25 @@ def test_a_lowered_tree_in_a_session_of_its_own_is_niced_against_other_sessions_
         tree.wait(30)
 
 
+def test_lowering_a_tree_in_the_callers_session_leaves_the_sessions_group_alone() -> None:
+    # Servers run in their caller's session (a session of their own kept them from sharing
+    # the cores fairly): niceing such a tree must not renice the caller's whole session.
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    own_group = Path("/proc/self/autogroup")
+    before = own_group.read_text() if own_group.exists() else None
+    tree = subprocess.Popen([sys.executable, supervisor.__file__, "--", *sleeper], process_group=0)
+    try:
+        child = wait_until(lambda: supervisor.descendants(tree.pid), 30, "the command")[0]
+        supervisor.lower_priority(tree.pid, 7)
+        assert os.getpriority(os.PRIO_PROCESS, child) == 7
+        assert os.getpriority(os.PRIO_PROCESS, 0) == 0
+        if before is not None:
+            assert own_group.read_text() == before
+    finally:
+        tree.terminate()
+        tree.wait(30)
+
+
 def test_cpu_is_summed_by_depth_below_a_process(tmp_path: Path) -> None:
     # A process with a child that sleeps, below it a grandchild that burns a third of a
     # second of CPU and then sleeps: what the serving benchmarks read to tell vLLM's API,

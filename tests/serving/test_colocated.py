@@ -17,6 +17,7 @@ import sys
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from kvshare.demo.real_server import STEPS_METRIC
 from kvshare.demo.serving.agent_process import NodeAgentProcess
 from kvshare.demo.serving.client import Completion, MetricSample, labels_of, post, scrape, total
 from kvshare.demo.serving.vllm_server import VllmServer
@@ -94,6 +95,28 @@ def test_a_burst_on_a_grows_beyond_its_share_and_a_burst_on_b_reclaims_from_a_wh
     assert colocated.books, "the agent's books were never read"
     over = [(charged, budget) for charged, budget in colocated.books if charged > budget]
     assert not over, f"the broker lent more than the GPU: {over[:5]}"
+
+
+def test_two_busy_servers_on_two_cores_both_step(colocated: Colocated) -> None:
+    # Each server's worker has a core of its own; vLLM's processes wait for each other by
+    # spinning. Started in sessions of their own (a scheduling group each, where the kernel
+    # groups by session) one server ran at its speed alone while the other took 0-4 % of
+    # its steps: the machine must be shared, as the twin and a GPU share their compute.
+    a, b = colocated.a, colocated.b
+    with KeepRunning(a, 2), KeepRunning(b, 2, seed=901):
+        wait_until(lambda: _running(a) >= 2 and _running(b) >= 2, 120, "both servers to decode")
+        start = {s.name: _steps(s) for s in (a, b)}
+
+        def made_300() -> dict[str, float] | None:
+            made = {s.name: _steps(s) - start[s.name] for s in (a, b)}
+            return made if max(made.values()) >= 300 else None
+
+        made = wait_until(made_300, 120, "300 steps on either server", interval=0.5)
+    assert min(made.values()) >= 0.25 * max(made.values()), made
+
+
+def _steps(server: VllmServer) -> float:
+    return total(scrape(f"{server.url}/metrics", timeout_s=60.0), STEPS_METRIC)
 
 
 def _unleased(setup: Colocated) -> int:

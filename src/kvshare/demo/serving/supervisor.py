@@ -98,15 +98,17 @@ def cpu_by_depth(pid: int) -> dict[int, float]:
 
 
 def lower_priority(pid: int, niceness: int) -> None:
-    """Run the process group of ``pid`` (a tree this module supervises, in a session of
-    its own) at CPU ``niceness``, and its session's scheduling group too: where the kernel
-    groups processes by session (``autogroup``, on by default; ``/proc/<pid>/autogroup``),
-    a process's niceness weighs only against the other processes of its session, and a
-    tree in a session of its own takes a whole session's share of the cores from every
-    other session, whatever its processes' niceness."""
+    """Run the process group of ``pid`` (a tree this module supervises) at CPU
+    ``niceness``. A tree in a session of its own gets its session's scheduling group niced
+    too: where the kernel groups processes by session (``autogroup``, on by default;
+    ``/proc/<pid>/autogroup``), a process's niceness weighs only against the other
+    processes of its session, and such a tree would take a whole session's share of the
+    cores from every other session, whatever its processes' niceness. A tree in the
+    caller's session leaves the session's group alone: that would renice the caller."""
     os.setpriority(os.PRIO_PGRP, os.getpgid(pid), niceness)
-    with contextlib.suppress(FileNotFoundError):
-        Path(f"/proc/{pid}/autogroup").write_text(str(niceness))
+    if os.getsid(pid) == pid and os.getsid(pid) != os.getsid(0):
+        with contextlib.suppress(FileNotFoundError):
+            Path(f"/proc/{pid}/autogroup").write_text(str(niceness))
 
 
 def _reap(keep: int | None = None) -> None:

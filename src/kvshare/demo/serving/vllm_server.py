@@ -214,7 +214,12 @@ class VllmServer:
         with self.log_path.open("wb") as log_file:
             # The supervisor (a script of the standard library only) ends the whole tree
             # whatever happens to vLLM's processes or to this one; its own process group
-            # lets kill() reach every process at once.
+            # lets kill() reach every process at once. It stays in this process's session:
+            # where the kernel groups processes by session (autogroup), servers in sessions
+            # of their own did not share the cores. vLLM's processes wait for each other
+            # by spinning on sched_yield, and with two busy servers in two sessions one ran
+            # at its speed alone while the other got 0-4 % of it (`python bench/run.py
+            # cpu-sharing`); in one group they share the cores evenly.
             command = [sys.executable, supervisor.__file__, "--grace", str(GRACE_S), "--"]
             self.process = subprocess.Popen(
                 [*command, *self.options.argv(self.port)],
@@ -222,7 +227,7 @@ class VllmServer:
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
                 env=self.options.environ(os.environ),
-                start_new_session=True,
+                process_group=0,
             )
         self.started_at = time.monotonic()
         log.info("started %s (pid %d) on %s", self.name, self.process.pid, self.url)
