@@ -153,6 +153,20 @@ def _free_port() -> int:
         return port
 
 
+def serve_args(model: Path, port: int, dtype: str = "float32") -> list[str]:
+    """The ``vllm serve`` arguments: the step-shaping settings of the demo's servers
+    (``kvshare.demo.serving.vllm_server.ServerOptions``: the model's own float32, 32-token
+    blocks, eager mode, 2048 tokens a step), longer prompts allowed, no prefix cache.
+    ``--dtype auto`` would run a float32 model in bfloat16 on CPU, whose prefill takes
+    half the time of the float32 steps the demo's servers run."""
+    return [
+        *("serve", str(model), "--port", str(port), "--served-model-name", "tiny"),
+        *("--dtype", dtype, "--block-size", "32", "--max-model-len", "4096"),
+        *("--max-num-batched-tokens", "2048", "--max-num-seqs", "128"),
+        *("--no-enable-prefix-caching", "--enforce-eager"),
+    ]
+
+
 @dataclass
 class Server:
     """A ``vllm serve`` child process on a local port."""
@@ -162,7 +176,7 @@ class Server:
     log: Path
 
     @classmethod
-    def start(cls, model: Path, workdir: Path, kv_gib: int, cpu: str) -> Server:
+    def start(cls, model: Path, workdir: Path, kv_gib: int, cpu: str, dtype: str) -> Server:
         port = _free_port()
         log = workdir / "vllm-serve.log"
         env = {
@@ -171,12 +185,7 @@ class Server:
             "VLLM_CPU_OMP_THREADS_BIND": cpu,
             "VLLM_CACHE_ROOT": str(workdir / "vllm-cache"),
         }
-        argv = [
-            *(sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model)),
-            *("--port", str(port), "--max-model-len", "4096", "--dtype", "auto"),
-            *("--no-enable-prefix-caching", "--enforce-eager", "--max-num-seqs", "128"),
-            *("--served-model-name", "tiny"),
-        ]
+        argv = [sys.executable, "-m", "vllm.entrypoints.cli.main", *serve_args(model, port, dtype)]
         with log.open("wb") as out:
             process = subprocess.Popen(
                 argv, stdout=out, stderr=subprocess.STDOUT, env=env, process_group=0
@@ -387,13 +396,16 @@ def main() -> int:
         help="VLLM_CPU_OMP_THREADS_BIND: the cores of the engine's threads (default one "
         "core, as the demo pins each server's worker)",
     )
+    parser.add_argument(
+        "--dtype", default="float32", help="vLLM's --dtype (default the demo servers' float32)"
+    )
     parser.add_argument("--json", action="store_true", help="print the fit as JSON last")
     args = parser.parse_args()
     rng = random.Random(0)
     with tempfile.TemporaryDirectory(prefix="kvshare-calibrate-") as tmp:
         workdir = Path(tmp)
         model = args.model or build_tiny_model(workdir / "tiny-llama")
-        server = Server.start(model, workdir, args.kv_gib, args.cpu)
+        server = Server.start(model, workdir, args.kv_gib, args.cpu, args.dtype)
         try:
             decode_step_s(server, 4, rng)  # warm-up
             decode = [(float(n), decode_step_s(server, n, rng)) for n in DECODE_BATCHES]

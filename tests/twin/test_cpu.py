@@ -3,10 +3,14 @@ counted as the demo counts its real servers."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+from tools.calibrate_step_cost import serve_args
 
 from kvshare.demo import trace as trace_mod
 from kvshare.demo.real_server import BLOCK_TOKENS, TINY_KV_BYTES_PER_TOKEN, trace_config
+from kvshare.demo.serving.vllm_server import ServerOptions
 from kvshare.demo.step_cost import StepWork
 from kvshare.twin.cpu import (
     CALIBRATIONS,
@@ -166,3 +170,16 @@ def test_clients_count_as_the_demo_counts_them() -> None:
     )
     with pytest.raises(ValueError, match="5 of 6 requests judged"):
         client_view(incomplete, 10.0, 5.0)
+
+
+def test_the_calibration_runs_the_tiny_model_as_the_demo_servers_run_it() -> None:
+    # The step cost was once measured with `--dtype auto`, which runs the float32 tiny
+    # model in bfloat16 on CPU: prefills took half the time of the demo servers' steps.
+    def value(argv: list[str], flag: str) -> str:
+        return argv[argv.index(flag) + 1]
+
+    calibration = serve_args(Path("model"), 8000)
+    servers = ServerOptions(kvshare=False, kv_cache_bytes=2**20).argv(8000)
+    for flag in ("--dtype", "--block-size", "--max-num-batched-tokens"):
+        assert value(calibration, flag) == value(servers, flag), flag
+    assert "--enforce-eager" in calibration and "--enforce-eager" in servers

