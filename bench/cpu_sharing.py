@@ -12,17 +12,23 @@ once. Per server and set of busy servers: its engine steps per second (vLLM's
 twin's time-slicing gives it (one over the busy engines pinned to its core) and the
 cores its processes used. ``least_share_over_twin`` is the smallest ratio of a busy
 server's share to the twin's: 1 where the cores are shared as the twin shares them.
+
+Where this process may make cpu cgroups (root, cgroup v1's ``cpu`` hierarchy or v2 with
+the ``cpu`` controller), servers 0 and 1 also run busy with a cgroup each, as two pods on
+one node do: ``cgroup_pair_least_over_most`` is the slower one's steps per second over the
+faster one's (``pair_least_over_most`` the same for the two in one group).
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import random
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from harness import Result
@@ -109,6 +115,61 @@ def _label(busy: Sequence[int]) -> str:
     return "+".join(str(i) for i in busy)
 
 
+def cpu_cgroup_root() -> Path | None:
+    """Where the kernel's cpu controller can be given new groups: cgroup v1's ``cpu``
+    hierarchy, else the v2 root if it has the controller; None without either."""
+    v1 = Path("/sys/fs/cgroup/cpu")
+    if (v1 / "cgroup.procs").exists():
+        return v1
+    v2 = Path("/sys/fs/cgroup")
+    with contextlib.suppress(OSError):
+        if "cpu" in (v2 / "cgroup.subtree_control").read_text().split():
+            return v2
+    return None
+
+
+@contextlib.contextmanager
+def cgroup_each(servers: Sequence[VllmServer], root: Path) -> Iterator[None]:
+    """Run each server's processes in a cpu cgroup of its own (as a pod's are) until the
+    block ends, then move them back to ``root`` and remove the groups."""
+    made: list[Path] = []
+    try:
+        for server in servers:
+            group = root / f"kvshare-bench-{os.getpid()}-{server.name}"
+            group.mkdir()
+            made.append(group)
+            for pid in server.tree():
+                (group / "cgroup.procs").write_text(str(pid))
+        yield
+    finally:
+        for group in made:
+            for pid in (group / "cgroup.procs").read_text().split():
+                with contextlib.suppress(OSError):
+                    (root / "cgroup.procs").write_text(pid)
+            with contextlib.suppress(OSError):
+                group.rmdir()
+
+
+def _pair_in_cgroups(servers: Sequence[VllmServer], fields: dict[str, float | int | str]) -> str:
+    """Servers 0 and 1 busy (4 clients each) with a cpu cgroup each: the table's row, or
+    why it was not measured."""
+    root = cpu_cgroup_root()
+    if root is None:
+        return "no cpu cgroup controller found: the pair in cgroups of their own not measured"
+    try:
+        with cgroup_each(servers[:2], root):
+            rates = measure(servers, (0, 1), 4)
+    except OSError as refused:
+        return f"cannot use cpu cgroups ({refused}): the pair in cgroups of their own not measured"
+    for i, (rate, used) in rates.items():
+        fields[f"b4_0+1_cgroups_s{i}_steps_per_s"] = round(rate, 1)
+        fields[f"b4_0+1_cgroups_s{i}_cores_used"] = round(used, 2)
+    slow, fast = sorted(rate for rate, _ in rates.values())
+    fields["cgroup_pair_least_over_most"] = round(slow / fast, 3) if fast else 0.0
+    cells = [f"{rate:.0f} ({used:.2f} cores)" for rate, used in rates.values()]
+    return "| 4 | 0+1, a cpu cgroup each | " + " | ".join(cells) + " | - |"
+
+
 def run(quick: bool) -> Result:
     cores = os.cpu_count() or 1
     batches = (4,) if quick else (4, 32)
@@ -152,6 +213,9 @@ def run(quick: bool) -> Result:
                             ratios.append(share / twin)
                         cells.append(f"{rate:.0f} ({share:.2f}; twin {twin:.2f}; {used:.2f} cores)")
                     rows.append(f"| {batch} | {_label(busy)} | " + " | ".join(cells) + " |")
+            cgroup_row = _pair_in_cgroups(servers, fields)
+    pair = sorted(float(fields[f"b4_0+1_s{i}_steps_per_s"]) for i in (0, 1))
+    fields["pair_least_over_most"] = round(pair[0] / pair[1], 3) if pair[1] else 0.0
     fields["least_share_over_twin"] = round(min(ratios), 3)
     fields["most_share_over_twin"] = round(max(ratios), 3)
     header = (
@@ -170,6 +234,7 @@ def run(quick: bool) -> Result:
             + "\n"
             + "\n".join(rows)
             + "\n"
+            + (cgroup_row + "\n" if cgroup_row.startswith("|") else f"\n{cgroup_row}.\n")
         ),
         detail_prefixes=tuple(f"b{batch}_" for batch in batches),
         notes=(
