@@ -106,7 +106,7 @@ def lower_priority(pid: int, niceness: int) -> None:
     cores from every other session, whatever its processes' niceness. A tree in the
     caller's session leaves the session's group alone: that would renice the caller."""
     os.setpriority(os.PRIO_PGRP, os.getpgid(pid), niceness)
-    if os.getsid(pid) == pid and os.getsid(pid) != os.getsid(0):
+    if os.getsid(pid) == pid:
         with contextlib.suppress(FileNotFoundError):
             Path(f"/proc/{pid}/autogroup").write_text(str(niceness))
 
