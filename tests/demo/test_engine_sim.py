@@ -81,16 +81,19 @@ def test_a_request_without_blocks_waits_and_the_queue_stays_first_in_first_out(
     assert sim.stats.served == 3 and sim.stats.preemptions == 0
 
 
-def test_after_each_step_the_pool_hears_how_many_requests_run_into_the_next(
+def test_after_each_step_the_pool_hears_how_many_blocks_the_next_one_takes(
     pools: list[KVPool], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A pool shrinking to a lowered lease keeps empty pages for that many running
-    requests' next blocks."""
-    sim = engine(pools, 16, [req(0, 32, 2), req(1, 32, 4)])
+    """A pool shrinking to a lowered lease keeps empty pages for the blocks its running
+    requests take in the next step, and no more: a decoding request takes one only when
+    its next token starts a block."""
+    # Both have their first token in step 1, in 2 blocks of 16 tokens: a's prompt and
+    # first token fill them (its next token starts a third), b's leave room for 11 more.
+    sim = engine(pools, 16, [req(0, 31, 3), req(1, 20, 3)])
     told: list[int] = []
-    monkeypatch.setattr(pools[-1], "set_running_requests", told.append)
+    monkeypatch.setattr(pools[-1], "expect_blocks", told.append)
     run_to_end(sim)
-    assert told == [2, 1, 1, 0] and sim.steps == 4  # each has its first token in step 1
+    assert told == [1, 0, 0] and sim.steps == 3
 
 
 def test_a_request_that_cannot_grow_preempts_the_newest_which_is_recomputed(

@@ -161,6 +161,21 @@ def test_a_background_reserve_keeps_ready_pages_without_exceeding_the_lease(
     assert ids and pool.snapshot().waits == 0  # the reserve covered the whole request
 
 
+@pytest.mark.parametrize(("blocks_per_page", "ready_pages"), [(1, 4), (2, 2), (3, 2), (16, 1)])
+def test_the_default_reserve_holds_four_blocks_whatever_a_page_holds(
+    make_pool: PoolFactory, blocks_per_page: int, ready_pages: int
+) -> None:
+    """Ready pages are there so that an engine's next blocks need not wait for a mapping;
+    an engine takes blocks, so a pool of 16-block pages keeping four of them would hold
+    64 blocks idle that no other engine can use."""
+    geometry = KVGeometry(
+        num_buffers=4, block_bytes=PAGE // blocks_per_page, num_blocks=256, page_size=PAGE
+    )
+    pool = make_pool(geometry)
+    pool.maintain()
+    assert pool.snapshot().ready == ready_pages * geometry.page_bytes
+
+
 def test_a_lease_full_of_prefix_cache_asks_for_no_ready_pages(make_pool: PoolFactory) -> None:
     """A serving engine keeps the blocks it frees as prefix cache, so its lease fills with
     cache; it reuses cached blocks when the pool has no fresh ones, as fast as ready pages.
@@ -528,7 +543,7 @@ def test_while_over_its_lease_the_pool_grows_running_requests_from_its_empty_pag
     lease.set_limit(4 * page_bytes)
     for finished in requests[:3]:
         pool.free(finished)  # three pages empty, not yet given back
-    pool.set_running_requests(2)  # two of the four left still decode
+    pool.expect_blocks(2)  # two of the four left still decode
     pool.maintain()
     # One empty page per running request stays (and page 0); nothing beyond the lease maps.
     snap = pool.snapshot()
@@ -537,7 +552,7 @@ def test_while_over_its_lease_the_pool_grows_running_requests_from_its_empty_pag
     assert pool.available() == 0 and pool.available(running=True) == 2
     grown = pool.alloc(1, running=True)
     assert grown, "a running request was refused a block the pool holds empty"
-    pool.set_running_requests(0)
+    pool.expect_blocks(0)
     for block_ids in [*requests[3:], grown]:
         pool.free(block_ids)
     pool.maintain()
@@ -569,7 +584,7 @@ def test_a_pool_over_its_lease_counts_only_the_blocks_it_will_hand_out(
     assert finishing
     lease.set_limit(2 * page_bytes)
     pool.free(finishing)
-    pool.set_running_requests(1)
+    pool.expect_blocks(1)
     pool.maintain()
     assert pool.alloc(1, running=True), "the running request was refused the empty page"
     counted = pool.available()
@@ -589,13 +604,13 @@ def test_while_over_its_lease_running_requests_grow_into_the_free_blocks_of_reti
     lease.set_limit(2 * page_bytes)
     assert pool.available() == 0  # page 2 is retired: over the lease, full pages only
     pool.free(finishing)
-    pool.set_running_requests(3)
+    pool.expect_blocks(3)
     assert not pool.alloc(1), "a new request was admitted while the pool is over its lease"
     assert pool.available(running=True) == 4
     grown = pool.alloc(3, running=True)
     assert grown and {pool.geometry.page_of(b) for b in grown} == {2}
     assert pool.available(running=True) == 1
-    pool.set_running_requests(0)
+    pool.expect_blocks(0)
     for block_ids in (staying, grown):
         pool.free(block_ids)
     pool.maintain()
@@ -606,4 +621,4 @@ def test_while_over_its_lease_running_requests_grow_into_the_free_blocks_of_reti
 def test_the_running_request_count_is_checked(make_pool: PoolFactory) -> None:
     pool = make_pool(GEOMETRY)
     with pytest.raises(ValueError, match="running requests must be >= 0"):
-        pool.set_running_requests(-1)
+        pool.expect_blocks(-1)

@@ -75,7 +75,7 @@ class PoolMachine(RuleBasedStateMachine):
 
     @rule(count=st.integers(min_value=0, max_value=5))
     def engine_runs(self, count: int) -> None:
-        self.pool.set_running_requests(count)
+        self.pool.expect_blocks(count)
         self.running = count
 
     def _took(self, ids: list[int], n: int, *, over: bool) -> None:
@@ -185,7 +185,7 @@ def test_a_pass_that_reaches_a_lowered_lease_trims_the_ready_pages_to_the_reserv
             assert isinstance(taken, list)
             ids += taken
         assert pool.snapshot().held == 5 * PAGE_BYTES
-        pool.set_running_requests(5)
+        pool.expect_blocks(5)
         pool.free([b for b in ids if GEOMETRY.page_of(b) != 0])
         lease.set_limit(4 * PAGE_BYTES)
         pool.maintain()

@@ -188,8 +188,9 @@ LAYOUT = EnvVar(
 )
 RESERVE_PAGES = EnvVar(
     "KVSHARE_RESERVE_PAGES",
-    "4",
-    "physical pages kept created ahead of demand so allocation rarely waits",
+    None,
+    "physical pages kept created ahead of demand so allocation rarely waits (unset: the "
+    "pages that hold 4 KV blocks: 4 pages of one block, 1 page of 8)",
     _non_negative_int,
     "runtime",
 )

@@ -25,8 +25,9 @@ class BlockAllocator(Protocol):
     def free(self, ids: Iterable[int]) -> None:
         """Give blocks back."""
 
-    def set_running_requests(self, count: int) -> None:
-        """The engine runs ``count`` requests into its next step (said after each step)."""
+    def expect_blocks(self, count: int) -> None:
+        """The engine's running requests take at most ``count`` new blocks in its next
+        step (said after each step)."""
 
 
 class PrefixCache:

@@ -59,7 +59,7 @@ class FixedBlocks:
     def free(self, ids: Iterable[int]) -> None:
         self._free.extend(ids)
 
-    def set_running_requests(self, count: int) -> None:
+    def expect_blocks(self, count: int) -> None:
         """Nothing to keep pages for: this world has no lease."""
 
 
@@ -136,7 +136,7 @@ class _PageView:
     def free(self, ids: Iterable[int]) -> None:
         self._pool.free(self._model, ids)
 
-    def set_running_requests(self, count: int) -> None:
+    def expect_blocks(self, count: int) -> None:
         """Nothing to keep pages for: this world has no lease."""
 
 

@@ -47,7 +47,7 @@ from kvshare.deviceplugin.broker.policy import (
     policy_named,
 )
 from kvshare.runtime.geometry import KVGeometry
-from kvshare.runtime.pool import DEFAULT_RESERVE_PAGES, KVPool
+from kvshare.runtime.pool import KVPool
 
 __all__ = [
     "PAGED_REFERENCE",
@@ -82,9 +82,9 @@ class SimOptions:
     reclaim_deadline_s: float = 10.0
     #: Blocks per physical page of every pool (None: the demo server's pages).
     page_blocks: int | None = None
-    #: Ready pages every pool keeps mapped ahead of its engine (the demo server's: the
-    #: pool's default).
-    reserve_pages: int = DEFAULT_RESERVE_PAGES
+    #: Ready pages every pool keeps mapped ahead of its engine (None: the demo server's,
+    #: the pool's default).
+    reserve_pages: int | None = None
     #: The entitlement policy's headroom, as a share of an entitlement (None: its
     #: default); only for that policy.
     headroom_share: float | None = None
@@ -108,7 +108,7 @@ class SimOptions:
             )
         if self.page_blocks is not None and self.page_blocks < 1:
             raise ValueError(f"the blocks per page must be >= 1, not {self.page_blocks}")
-        if self.reserve_pages < 0:
+        if self.reserve_pages is not None and self.reserve_pages < 0:
             raise ValueError(f"the reserve must be >= 0 pages, not {self.reserve_pages}")
 
     def broker_policy(self) -> Policy:
@@ -295,7 +295,8 @@ def _parser() -> argparse.ArgumentParser:
         "--reserve-pages",
         type=int,
         default=SimOptions.reserve_pages,
-        help="ready pages every pool keeps mapped ahead of its engine",
+        help="ready pages every pool keeps mapped ahead of its engine (default: the pages "
+        "that hold 4 blocks)",
     )
     parser.add_argument(
         "--headroom-share",

@@ -194,8 +194,8 @@ class StampedBlocks:
     def _word(self, block: int) -> ctypes.c_int64:
         return ctypes.c_int64.from_address(self._pool.block_address(0, block))
 
-    def set_running_requests(self, count: int) -> None:
-        self._pool.set_running_requests(count)
+    def expect_blocks(self, count: int) -> None:
+        self._pool.expect_blocks(count)
 
     def alloc(self, n: int, *, running: bool = False) -> object:
         got = self._pool.alloc(n, running=running)

@@ -46,7 +46,7 @@ from kvshare.runtime.broker_client import DEFAULT_SLOW_START_WINDOW_S
 from kvshare.runtime.geometry import KVGeometry
 from kvshare.runtime.lease import LeaseHolder, LeaseSource, PoolUsage
 from kvshare.runtime.lease_conversation import IDLE_S, LeaseConversation
-from kvshare.runtime.pool import DEFAULT_RESERVE_PAGES, KVPool
+from kvshare.runtime.pool import KVPool
 
 __all__ = [
     "GPU_UUID",
@@ -133,8 +133,9 @@ class NodeSettings:
     speed: float = 1.0
     #: Seconds a pool has to honour a reclaim (the node agent's default).
     reclaim_deadline_s: float = 10.0
-    #: Ready pages every pool keeps mapped ahead of its engine.
-    reserve_pages: int = DEFAULT_RESERVE_PAGES
+    #: Ready pages every pool keeps mapped ahead of its engine (None: the pool's default,
+    #: the pages that hold :data:`~kvshare.runtime.pool_blocks.DEFAULT_RESERVE_BLOCKS`).
+    reserve_pages: int | None = None
     #: A pool's maintenance pass after each step of its engine only when something woke
     #: its background thread (:meth:`KVPool.maintenance_due`), as the thread runs it;
     #: False: after every step (the demo's simulation, whose figures were measured so).

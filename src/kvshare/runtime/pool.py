@@ -31,7 +31,7 @@ Invariants
   blocks and are unmapped once empty, so a backlog that refills every freed block cannot
   keep the pool over its lease; running requests may still grow into them and into empty
   pages kept for them (:class:`~kvshare.runtime.pool_blocks.PageBlocks`,
-  :meth:`KVPool.set_running_requests`).
+  :meth:`KVPool.expect_blocks`).
 - A page emptied while the engine still had steps in flight is unmapped only after
   them (:class:`~kvshare.runtime.pool_pages.Pages`, :attr:`KVPool.steps`). Neither costs
   ``alloc`` or ``free`` anything.
@@ -75,7 +75,7 @@ from kvshare.runtime.geometry import KVGeometry
 from kvshare.runtime.lease import LeaseSource, PoolUsage
 from kvshare.runtime.ownership import LocalOwnership, Ownership
 from kvshare.runtime.paging import Paging
-from kvshare.runtime.pool_blocks import NULL_BLOCK, Exhausted, PageBlocks
+from kvshare.runtime.pool_blocks import NULL_BLOCK, Exhausted, PageBlocks, reserve_pages_for
 from kvshare.runtime.pool_eviction import Eviction, Evictor
 from kvshare.runtime.pool_lease import DEFAULT_LEASE_CHUNK_BYTES, WANT_RETRY_S, LeaseLimit
 from kvshare.runtime.pool_pages import Pages
@@ -90,7 +90,6 @@ __all__ = ["NULL_BLOCK", "Evictor", "Exhausted", "KVPool", "PoolSnapshot"]
 
 log = logging.getLogger(__name__)
 
-DEFAULT_RESERVE_PAGES = 4
 _ALLOC_ROUNDS = 4  # of the slow path, when other threads take the pages it waited for
 _IN_FLIGHT_WAIT_S = 1.0  # longest wait for pages in flight before trying again
 _WANT_RETRY_S = WANT_RETRY_S  # how often the first page's ask is said again
@@ -112,7 +111,7 @@ class KVPool:
         lease: LeaseSource,
         ownership: Ownership | None = None,
         *,
-        reserve_pages: int = DEFAULT_RESERVE_PAGES,
+        reserve_pages: int | None = None,
         background: bool = True,
         lease_chunk_bytes: int = DEFAULT_LEASE_CHUNK_BYTES,
         report_interval_s: float = 5.0,
@@ -120,6 +119,8 @@ class KVPool:
         clock: Callable[[], float] = time.monotonic,
         paging: Paging | None = None,
     ) -> None:
+        if reserve_pages is None:  # the default: DEFAULT_RESERVE_BLOCKS blocks' worth
+            reserve_pages = reserve_pages_for(geometry)
         if reserve_pages < 0:
             raise PoolError(f"reserve_pages must be >= 0, not {reserve_pages}")
         self.geometry = geometry
@@ -141,7 +142,7 @@ class KVPool:
         self._thread: threading.Thread | None = None
         self._error: PoolError | None = None
         self._closed = False
-        self._running_requests = 0  # requests the engine runs into its next step
+        self._next_step_blocks = 0  # blocks the engine's running requests take next step
         self._allocs = 0
         self._waits = 0
         self._lease_event = threading.Event()
@@ -287,16 +288,17 @@ class KVPool:
         with self._lock:
             return self._available(running)
 
-    def set_running_requests(self, count: int) -> None:
-        """The engine runs ``count`` requests into its next step (its scheduler says so
-        after each step). While over its lease the pool keeps empty pages for one new
-        block each (a decoding request takes at most one a step), so that no running
-        request is preempted for want of a block the pool holds empty; a pool no engine
-        tells keeps none."""
+    def expect_blocks(self, count: int) -> None:
+        """The engine's running requests take at most ``count`` new blocks in its next
+        step (its scheduler says so after each step: a decoding request takes one when its
+        next token starts a block, at most one a step). While over its lease the pool
+        keeps empty pages for them, so that no running request is preempted for want of a
+        block the pool holds empty, and no more: empty pages kept beyond the next step's
+        blocks would hold back a reclaim; a pool no engine tells keeps none."""
         if count < 0:
-            raise ValueError(f"running requests must be >= 0, got {count}")
+            raise ValueError(f"expected blocks must be >= 0, got {count}")
         with self._lock:
-            self._running_requests = count
+            self._next_step_blocks = count
 
     def _available(self, running: bool = False) -> int:
         free = self._mapped_free(running)
@@ -392,9 +394,9 @@ class KVPool:
             self._wake.set()
 
     def _spare_pages(self) -> int:
-        """Empty pages kept while over the lease for the running requests' next blocks:
-        one block each. ``_lock`` held."""
-        return -(-self._running_requests // max(1, self._blocks.min_cap))
+        """Empty pages kept while over the lease for the running requests' next blocks
+        (:meth:`expect_blocks`). ``_lock`` held."""
+        return -(-self._next_step_blocks // max(1, self._blocks.min_cap))
 
     # --- the lease ---------------------------------------------------------------------------
 

@@ -22,8 +22,8 @@ Invariants
   first.
 - While over its lease, blocks that grow a request the engine already runs may also
   come from the free blocks of retired pages and from ready pages the pool still holds
-  (the pool's maintenance keeps enough of those for one new block per running request:
-  a decoding request takes at most one block a step). Otherwise a running request
+  (the pool's maintenance keeps enough of those for the blocks the engine says its running
+  requests take in their next step). Otherwise a running request
   refused its next block is preempted and recomputed, and with one block per page there
   are no partial pages to serve it. New requests wait, so the pool still reaches its
   lease as requests finish.
@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from kvshare.runtime.errors import InvalidBlockError
 from kvshare.runtime.geometry import KVGeometry
 
-__all__ = ["NULL_BLOCK", "Exhausted", "PageBlocks"]
+__all__ = ["DEFAULT_RESERVE_BLOCKS", "NULL_BLOCK", "Exhausted", "PageBlocks", "reserve_pages_for"]
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +55,21 @@ NULL_BLOCK = 0
 padding slot)."""
 
 _FREE, _ALLOCATED, _NEVER = 0, 1, 2  # block states (_NEVER: null block or straddling id)
+
+
+#: KV blocks' worth of ready pages a pool keeps mapped by default. The reserve is there so
+#: that an engine's next blocks need not wait for a page to be mapped; an engine takes its
+#: memory in blocks whatever a page holds, so the reserve is counted in blocks: four pages
+#: of one 2 MiB block each, one page of eight blocks (Qwen3-8B's 18 MiB pages). Four pages
+#: of eight blocks would keep 32 blocks idle in every pool, memory no other engine can use.
+DEFAULT_RESERVE_BLOCKS = 4
+
+
+def reserve_pages_for(geometry: KVGeometry, blocks: int = DEFAULT_RESERVE_BLOCKS) -> int:
+    """The whole pages of ``geometry`` that hold ``blocks`` blocks: a pool's default
+    reserve of ready pages (:data:`DEFAULT_RESERVE_BLOCKS`)."""
+    per_page = max(1, geometry.page_bytes // geometry.block_bytes_all_buffers)
+    return -(-blocks // per_page)
 
 
 @dataclass(frozen=True)

@@ -142,5 +142,5 @@ class _ModelView:
     def free(self, ids: Iterable[int]) -> None:
         self._pool.free(self._model, ids)
 
-    def set_running_requests(self, count: int) -> None:
+    def expect_blocks(self, count: int) -> None:
         """Nothing to keep for: this world has no lease."""

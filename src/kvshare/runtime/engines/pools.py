@@ -230,7 +230,7 @@ def open_local_pool(
         backend,
         lease,
         LocalOwnership(role.rank, role.world_size),
-        reserve_pages=env.RESERVE_PAGES.require(),
+        reserve_pages=env.RESERVE_PAGES.read(),
         lease_chunk_bytes=_lease_chunk(),
         paging=paging,
     )
@@ -286,7 +286,7 @@ def open_owner_pool(geometry: KVGeometry, group: str, world_size: int) -> KVPool
             None,
             ownership.group_lease(),
             ownership,
-            reserve_pages=env.RESERVE_PAGES.require(),
+            reserve_pages=env.RESERVE_PAGES.read(),
             lease_chunk_bytes=_lease_chunk(),
         )
     except BaseException:
