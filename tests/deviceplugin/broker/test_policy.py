@@ -53,6 +53,24 @@ def test_borrowers_take_only_idle_memory_from_each_other() -> None:
     assert {pool: r.limit for pool, r in asked.items()} == {a: 3 * GIB, b: 3 * GIB}
 
 
+def test_memory_in_use_comes_first_from_a_borrower_with_nothing_waiting() -> None:
+    """A lowered lease holds a pool's queue until it has shrunk: a borrower that is short
+    itself would make its own requests wait, one with nothing waiting makes no one wait."""
+    books = Books([GPU], headroom=GIB, policy=Entitlement(headroom_share=0.0))
+    # Three pools with 2 GiB static: 9 GiB of budget, 3 GiB of entitlement each.
+    quiet = admit(books, "quiet", 10, kv_min=0)
+    busy(books, quiet, 7 * GIB // 2, 0.0)
+    queued = admit(books, "queued", 11, kv_min=0)
+    busy(books, queued, 9 * GIB // 2, 0.0)
+    small = admit(books, "small", 12, kv_min=0)
+    busy(books, small, GIB, 0.0)
+    assert reclaims(books.want(queued, 2, 6 * GIB, 1.0)) == {}  # above its entitlement
+    asked = reclaims(books.want(small, 2, 2 * GIB, 1.1))
+    # "queued" holds the most above its entitlement, but it waits too: "quiet" gives
+    # all it holds above its entitlement first, "queued" only the rest.
+    assert {pool: r.limit for pool, r in asked.items()} == {quiet: 3 * GIB, queued: 4 * GIB}
+
+
 def test_an_ask_not_heard_again_no_longer_holds_memory() -> None:
     books = books_with(headroom_share=0.0, fresh_s=1.5)
     stale = admit(books, "stale", 10, kv_min=0)

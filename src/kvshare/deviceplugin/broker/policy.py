@@ -44,7 +44,10 @@ what is taken back, and from whom, follows from what comes back fast and what do
   (``headroom_share`` of its entitlement; none by default, see below);
 - *memory in use* comes back only as its requests finish, so it is taken only for a pool
   below its entitlement, and only from pools above theirs, down to no less than their
-  entitlement: pools that both hold their share do not churn each other's blocks.
+  entitlement: pools that both hold their share do not churn each other's blocks. Of
+  those, pools that are not short themselves give first: a lowered lease holds a pool's
+  queue until it has shrunk, and a pool with a queue would make its own requests wait
+  for memory another borrower could give without making anyone wait.
 - An ask outlives the need (pools never say they want less): a pool still short says so
   again every half second, and an ask not heard again for ``fresh_s`` (1 s) no longer
   counts. The sooner an ask lapses, the sooner memory a pool asked for and then did not
@@ -481,10 +484,14 @@ class Entitlement:
                 targets[pool.id] -= take
                 idle_need -= take
                 busy_need -= take
-        # Pass 2, memory held above an entitlement, lowest priority and most above first.
+        # Pass 2, memory held above an entitlement, lowest priority first; among equals
+        # the pools that are not short themselves first, then the most above. A lowered
+        # lease stops a pool's admissions until it has shrunk to it: a pool with nothing
+        # waiting gives back as its requests finish and makes no one wait, while a short
+        # one's queue would wait for the whole release as well.
         borrowers = sorted(
             (p for p in gpu.pools if p.id in targets and targets[p.id] > entitled[p.id]),
-            key=lambda p: (p.priority, -(targets[p.id] - entitled[p.id]), p.id),
+            key=lambda p: (p.priority, p.id in short_ids, -(targets[p.id] - entitled[p.id]), p.id),
         )
         for pool in borrowers:
             if busy_need <= 0:
