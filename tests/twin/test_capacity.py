@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import pytest
 
-from kvshare.twin.capacity import capacity, fleet_gpus, models_per_gpu
+from kvshare.twin.capacity import (
+    Capacity,
+    capacity,
+    fleet_gpus,
+    models_per_gpu,
+    on_common_ladder,
+)
 
 
 @pytest.mark.parametrize("threshold", [0.05, 0.4, 1.0, 2.7, 9.9, 31.0])
@@ -70,3 +77,40 @@ def test_probes_narrow_the_search_and_never_change_the_answer(
     assert probed.missed_at / probed.scale <= 1.03 + 1e-9
     if min(probes) <= threshold < max(probes):
         assert len(probed.tried) < len(plain.tried)
+
+
+def test_a_capacity_on_an_island_of_met_verdicts_drops_to_the_load_held_below_it() -> None:
+    """World a's search landed on 1.091, which it meets, but it misses at 1.076, where
+    world b was tried: on the common ladder a holds 1.062, the load it held below."""
+    truth = {
+        "a": lambda s: s <= 1.07 or 1.085 <= s <= 1.095,  # an island at 1.085-1.095
+        "b": lambda s: s <= 1.07,
+    }
+    ran: list[tuple[str, float]] = []
+
+    def meets(world: str) -> Callable[[float], bool]:
+        def judge(scale: float) -> bool:
+            ran.append((world, scale))
+            return truth[world](scale)
+
+        return judge
+
+    found = {
+        "a": Capacity(1.091, 1.102, ((1.0, True), (1.091, True), (1.102, False))),
+        "b": Capacity(1.062, 1.076, ((1.035, True), (1.062, True), (1.076, False))),
+        "lent": Capacity(1.05, 1.2, ((1.05, True), (1.2, False))),
+    }
+    settled = on_common_ladder(found, meets, judged=["a", "b"])
+    assert (settled["a"].scale, settled["a"].missed_at) == (1.062, 1.076)
+    assert (settled["b"].scale, settled["b"].missed_at) == (1.062, 1.076)
+    # a was judged at b's scales within 10 % below its capacity (and at the lent world's),
+    # b at a's and the lent one's below its own; a lent world is never run again.
+    assert sorted(ran) == [
+        ("a", 1.035),
+        ("a", 1.05),
+        ("a", 1.062),
+        ("a", 1.076),
+        ("b", 1.0),
+        ("b", 1.05),
+    ]
+    assert settled["lent"] is found["lent"]

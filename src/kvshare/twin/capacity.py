@@ -8,6 +8,14 @@ request is held to the workload's latency SLO.
   It trusts that more load never helps (``at_scale`` only adds requests); where a run's
   verdict is not monotone in the scale it finds one threshold, not necessarily the
   largest.
+- :func:`on_common_ladder`: worlds compared on one workload, each judged also at the
+  scales the others were tried at just below its capacity, and held to the largest scale
+  it met below the smallest it missed. Near the edge a run's verdict is not always
+  monotone (p99 TPOT near its target moves with which prefills share a step, so a world
+  may miss at one scale and meet 1 % above it); a search that happened to land on such
+  an island would report a load the world does not hold below it, and two worlds'
+  searches land on different islands. A capacity is a load at which the SLO holds and
+  held at every load tried below it, by any world.
 - :func:`models_per_gpu`: the most models of a traffic family's shape one GPU serves at
   the SLO (the family generated for ``n`` models at its own load), and :func:`fleet_gpus`
   the GPUs a fleet of such models needs in each world.
@@ -16,7 +24,7 @@ request is held to the workload's latency SLO.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvshare.twin.workload import MAX_SCALE, Workload
@@ -28,6 +36,7 @@ __all__ = [
     "capacity",
     "fleet_gpus",
     "models_per_gpu",
+    "on_common_ladder",
 ]
 
 #: Relative width of the bracket the bisection stops at.
@@ -36,6 +45,8 @@ DEFAULT_PRECISION = 0.03
 MIN_SCALE = 1 / 64
 #: Models in the fleet whose GPU count is reported.
 FLEET_MODELS = 48
+#: How far below its capacity (relative) a world is also judged at the others' scales.
+LADDER_WINDOW = 0.1
 
 
 @dataclass(frozen=True)
@@ -111,6 +122,42 @@ def _bisect(
         else:
             high = middle
     return Capacity(low, high, tuple(sorted(tried.items())))
+
+
+def on_common_ladder(
+    found: Mapping[str, Capacity],
+    meets: Callable[[str], Callable[[float], bool]],
+    *,
+    judged: Collection[str],
+    window: float = LADDER_WINDOW,
+) -> dict[str, Capacity]:
+    """Each world of ``judged`` also tried at every scale any world of ``found`` was tried
+    at within ``window`` below its capacity, until none is left untried; its capacity is
+    then the largest scale it met below the smallest it missed (see the module doc).
+    ``meets(world)`` judges ``world`` at a scale; the worlds not in ``judged`` (lent by
+    another comparison) only lend their scales."""
+    tried = {world: dict(found[world].tried) for world in found}
+    settled = {world: found[world] for world in found}
+    untried = True
+    while untried:
+        untried = False
+        ladder = sorted({scale for scales in tried.values() for scale in scales})
+        for world in judged:
+            settled[world] = _monotone(tried[world])
+            edge = settled[world].scale
+            for scale in ladder:
+                if edge / (1 + window) <= scale < edge and scale not in tried[world]:
+                    tried[world][scale] = meets(world)(scale)
+                    untried = True
+            settled[world] = _monotone(tried[world])
+    return settled
+
+
+def _monotone(tried: Mapping[float, bool]) -> Capacity:
+    """The largest scale met below the smallest missed, from every verdict in ``tried``."""
+    missed = min((scale for scale, met in tried.items() if not met), default=math.inf)
+    scale = max((s for s, met in tried.items() if met and s < missed), default=0.0)
+    return Capacity(scale, missed, tuple(sorted(tried.items())))
 
 
 def workload_capacity(

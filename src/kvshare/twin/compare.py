@@ -7,7 +7,9 @@ it first (their capacity usually lies just under the bound), then at static's ca
 and at the edges already found for the other sharing worlds (so first-come and kvshare
 are both tried at the same scales);
 :func:`~kvshare.twin.capacity.capacity` checks every probe, so a wrong guess costs runs,
-not the answer.
+not the answer. Last, every world is judged on the common ladder of scales
+(:func:`~kvshare.twin.capacity.on_common_ladder`): its capacity is a load at which it
+met the SLO and met it at every load tried below, by any world.
 """
 
 from __future__ import annotations
@@ -16,7 +18,13 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvshare.twin.capacity import DEFAULT_PRECISION, Capacity, capacity, models_per_gpu
+from kvshare.twin.capacity import (
+    DEFAULT_PRECISION,
+    Capacity,
+    capacity,
+    models_per_gpu,
+    on_common_ladder,
+)
 from kvshare.twin.workload import Workload
 from kvshare.twin.worlds import TwinOptions, run_world
 
@@ -93,6 +101,9 @@ def compare_worlds(
                     probes += [edge.scale, edge.missed_at]
             probes = [p for p in probes if 0 < p < math.inf]
         found[world] = capacity(meets(world), precision=precision, probes=probes)
+    lent = set() if reference is None else {BOUND, STATIC}
+    judged = [w for w in order if w not in lent]
+    found = on_common_ladder(found, meets, judged=judged)
     return Comparison(workload.name, len(workload.requests), {w: found[w] for w in worlds})
 
 
