@@ -75,8 +75,9 @@ what is taken back, and from whom, follows from what comes back fast and what do
   unleased for the pools below their entitlement) did worse on both counts: 0.95 and
   0.96 of first-come on the two fleet-onoff 8B workloads above (against 0.99 and
   0.96), and 6 overload traces with a tenant below 0.9 (worst 0.63). Earlier, swept
-  with the pools' reserve of ready pages (4 by default) in overload only (reserve 1, 2,
-  4; headroom 0.1-0.3), no setting beat a reserve of 4 pages.
+  with the pools' reserve of ready pages (then 4 pages by default, whatever a page held;
+  now the pages that hold 4 blocks) in overload only (reserve 1, 2, 4; headroom
+  0.1-0.3), no setting beat a reserve of 4 pages.
 
 - Where the rest of the gain goes (pages, and with one-block pages fragments of idle
   lease in every short pool), and the rules tried in this policy's place that did worse:
