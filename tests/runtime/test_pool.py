@@ -618,7 +618,7 @@ def test_while_over_its_lease_running_requests_grow_into_the_free_blocks_of_reti
     assert snap.held <= snap.limit == 2 * page_bytes
 
 
-def test_the_running_request_count_is_checked(make_pool: PoolFactory) -> None:
+def test_the_expected_block_count_is_checked(make_pool: PoolFactory) -> None:
     pool = make_pool(GEOMETRY)
-    with pytest.raises(ValueError, match="running requests must be >= 0"):
+    with pytest.raises(ValueError, match="expected blocks must be >= 0"):
         pool.expect_blocks(-1)

@@ -19,6 +19,8 @@ from kvshare.twin.cpu import (
     CpuStepCost,
     cpu_device,
     cpu_device_name,
+    measured_step_cost,
+    register_calibration,
     tiny_architecture,
 )
 from kvshare.twin.demo_check import check_options, client_view, trace_workload
@@ -63,6 +65,39 @@ def test_the_cpu_step_cost_adds_its_measured_terms() -> None:
     assert cost.step_seconds(decode) == pytest.approx(1e-3 + 40e-6 + 100e-6)
     prefill = StepWork(prefill_tokens=100, prefill_attended=100 * 100)
     assert cost.step_seconds(prefill) == pytest.approx(1e-3 + 200e-6 + 10e-6)
+
+
+def test_a_calibration_measured_at_run_time_prices_the_steps_of_a_device_named_after_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """twin-check measures the machine it runs on: the fit the calibration tool prints
+    (these numbers from a run on an AMD EPYC core) becomes a calibration by name."""
+    fit = {
+        "fixed_s": 4.62e-3,
+        "per_token_s": 84.5e-6,
+        "per_context_token_s": 0.856e-6,
+        "prefill_s": [8.68e-3, 64.3e-6, 32.3e-9],
+        "host_s": [2.47e-3, 199e-6],
+        "scheduler_step_s": 3.33e-3,
+        "load_average": [1.4, 3.1, 3.1],
+    }
+    cost = measured_step_cost(fit, "here")
+    assert (cost.fixed_s, cost.prefill_token_s, cost.prefill_attention_s) == (
+        4.62e-3,
+        64.3e-6,
+        32.3e-9,
+    )
+    assert (cost.host_request_s, cost.host_token_s, cost.scheduler_step_s) == (
+        2.47e-3,
+        199e-6,
+        3.33e-3,
+    )
+    monkeypatch.setattr("kvshare.twin.cpu.CALIBRATIONS", dict(CALIBRATIONS))
+    register_calibration("this-machine", cost)
+    device = cpu_device(cpu_device_name(48 * 2**20, calibration="this-machine"))
+    assert device.cost(ModelSpec("m", TINY_ARCHITECTURE)) is cost
+    with pytest.raises(ValueError, match="lower-case"):
+        register_calibration("This Machine", cost)
 
 
 def test_what_serving_costs_outside_the_engine_comes_with_every_token_and_request() -> None:

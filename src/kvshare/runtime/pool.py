@@ -290,11 +290,10 @@ class KVPool:
 
     def expect_blocks(self, count: int) -> None:
         """The engine's running requests take at most ``count`` new blocks in its next
-        step (its scheduler says so after each step: a decoding request takes one when its
-        next token starts a block, at most one a step). While over its lease the pool
-        keeps empty pages for them, so that no running request is preempted for want of a
-        block the pool holds empty, and no more: empty pages kept beyond the next step's
-        blocks would hold back a reclaim; a pool no engine tells keeps none."""
+        step (said after each step: a decoding request takes one when its next token
+        starts a block). While over its lease the pool keeps empty pages for them, so that
+        no running request is preempted for want of a block the pool holds empty, and no
+        more (they would hold back a reclaim); a pool no engine tells keeps none."""
         if count < 0:
             raise ValueError(f"expected blocks must be >= 0, got {count}")
         with self._lock:

