@@ -137,20 +137,17 @@ def on_common_ladder(
     ``meets(world)`` judges ``world`` at a scale; the worlds not in ``judged`` (lent by
     another comparison) only lend their scales."""
     tried = {world: dict(found[world].tried) for world in found}
-    settled = {world: found[world] for world in found}
     untried = True
     while untried:
         untried = False
         ladder = sorted({scale for scales in tried.values() for scale in scales})
         for world in judged:
-            settled[world] = _monotone(tried[world])
-            edge = settled[world].scale
+            edge = _monotone(tried[world]).scale
             for scale in ladder:
                 if edge / (1 + window) <= scale < edge and scale not in tried[world]:
                     tried[world][scale] = meets(world)(scale)
                     untried = True
-            settled[world] = _monotone(tried[world])
-    return settled
+    return {**found, **{world: _monotone(tried[world]) for world in judged}}
 
 
 def _monotone(tried: Mapping[float, bool]) -> Capacity:
