@@ -38,7 +38,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -53,7 +53,7 @@ from kvshare.demo.stats import Sample, ServerResult
 
 log = logging.getLogger(__name__)
 
-__all__ = ["main", "prompt_ids", "trace_config"]
+__all__ = ["main", "prompt_ids", "replay_and_sample", "trace_config"]
 
 MIB = 2**20
 #: KV bytes per token of the tiny model: 4 layers x (K + V) x 2 KV heads x 64 x 4 bytes.
@@ -237,6 +237,54 @@ class _Memory:
         return held, int(usage * lease), lease, max(charged, *(b for _, b in self.leases))
 
 
+#: Seconds the last scrape of a server's metrics may take: its steps are in the result, and
+#: a server still busy with the requests left at the trace's end answers slowly.
+FINAL_SCRAPE_TIMEOUT_S = 30.0
+#: Seconds the replay's and the sampler's loops sleep between looks at the clock.
+TICK_S = 0.01
+
+
+def replay_and_sample(
+    start: float,
+    duration_s: float,
+    sample_s: float,
+    send_due: Callable[[float], None],
+    take_sample: Callable[[float], None],
+) -> None:
+    """Run the replay until ``duration_s`` trace seconds after ``start`` (monotonic), and
+    take a sample every ``sample_s`` and at the end, on a thread of its own.
+
+    A sample scrapes the server's metrics page (and the agent's), which a loaded API
+    process answers late: on the replay's thread it would send the requests due meanwhile
+    late, with the clients' patience counted from then. A sample whose scrape fails or
+    times out is skipped with a warning; the next one is taken on time."""
+
+    def sample_until_end() -> None:
+        next_s = 0.0
+        while True:
+            now_s = min(time.monotonic() - start, duration_s)
+            if now_s >= next_s - 1e-9:
+                try:
+                    take_sample(now_s)
+                except OSError as exc:  # urllib's errors and timeouts are OSErrors
+                    log.warning("the sample at %.1f s is skipped: %s", now_s, exc)
+                elapsed_s = time.monotonic() - start
+                next_s = min(max(next_s + sample_s, elapsed_s), duration_s)
+            if now_s >= duration_s - 1e-9:
+                return
+            time.sleep(TICK_S)
+
+    sampler = threading.Thread(target=sample_until_end, name="sampler", daemon=True)
+    sampler.start()
+    while True:
+        now_s = min(time.monotonic() - start, duration_s)
+        send_due(now_s)
+        if now_s >= duration_s - 1e-9:
+            break
+        time.sleep(TICK_S)
+    sampler.join()
+
+
 def _sample(replay: Replay, server: VllmServer, memory: _Memory, now_s: float) -> Sample:
     vllm = scrape(f"{server.url}/metrics")
     held, used, lease, peak = memory.read(vllm)
@@ -290,19 +338,16 @@ def serve(args: argparse.Namespace, channel: Channel) -> None:
         memory = _Memory(args.mode, args.share_bytes or 0, args.pod, args.agent_metrics)
         steps_before = total(scrape(f"{server.url}/metrics"), STEPS_METRIC)
         cpu_before = server.cpu_seconds()
-        next_sample = 0.0
-        while True:
-            now_s = min(time.monotonic() - start, config.duration_s)
-            replay.send_due(now_s, start)
-            if now_s >= next_sample - 1e-9:
-                send(_sample(replay, server, memory, now_s).to_json())
-                next_sample += args.sample_s
-            if now_s >= config.duration_s - 1e-9:
-                break
-            time.sleep(0.01)
+        replay_and_sample(
+            start,
+            config.duration_s,
+            args.sample_s,
+            lambda now_s: replay.send_due(now_s, start),
+            lambda now_s: send(_sample(replay, server, memory, now_s).to_json()),
+        )
         served, abandoned, arrived = replay.counts(config.duration_s)
         waits, arrivals = replay.waits(config.duration_s)
-        vllm = scrape(f"{server.url}/metrics")
+        vllm = scrape(f"{server.url}/metrics", timeout_s=FINAL_SCRAPE_TIMEOUT_S)
         cpu_after = server.cpu_seconds()
         send(
             ServerResult(
