@@ -23,6 +23,10 @@ its normal entry point (the OpenAI completions API, streamed) and prints them:
   ``/proc`` CPU time over the ``vllm:iteration_tokens_total`` count). It runs beside the
   worker that computes the step, so a step's time does not show it; on cores that are
   all busy it is compute the engines do not get. The median over the three runs.
+- *engine core per decode step*: the same CPU time during each *decode* experiment. The
+  engine core waits for the worker by spinning, so its CPU follows the step's length, not
+  the count of steps (an AMD EPYC VM, 2026-12-06: 4.8 ms in a 5.3 ms step of a batch of
+  1, 13.0 ms in a 14.8 ms step of 64).
 
 Times are vLLM's own, taken in its engine process (the ``vllm:request_time_per_output_token``
 and ``vllm:request_prefill_time`` histograms of ``/metrics``, sums and counts before and
@@ -324,6 +328,19 @@ def decode_step_s(
     return server.mean_of("vllm:request_time_per_output_token_seconds", run)
 
 
+def decode_with_engine_core_cpu(
+    server: Server, batch: int, rng: random.Random
+) -> tuple[float, float]:
+    """:func:`decode_step_s` of ``batch``, and the CPU seconds the engine-core process
+    spent per step meanwhile."""
+    core = server.engine_core_pid()
+    cpu_before = _cpu_s(core)
+    _, steps_before = server.histogram("vllm:iteration_tokens_total")
+    seconds = decode_step_s(server, batch, rng)
+    _, steps_after = server.histogram("vllm:iteration_tokens_total")
+    return seconds, (_cpu_s(core) - cpu_before) / max(1.0, steps_after - steps_before)
+
+
 def prefill_step_s(server: Server, prompt_tokens: int, rng: random.Random) -> float:
     """Mean prefill time of a ``prompt_tokens`` prompt, one request at a time."""
 
@@ -408,7 +425,12 @@ def main() -> int:
         server = Server.start(model, workdir, args.kv_gib, args.cpu, args.dtype)
         try:
             decode_step_s(server, 4, rng)  # warm-up
-            decode = [(float(n), decode_step_s(server, n, rng)) for n in DECODE_BATCHES]
+            decode: list[tuple[float, float]] = []
+            spin: list[tuple[float, float]] = []  # engine-core CPU seconds per step
+            for batch in DECODE_BATCHES:
+                step_s, core_s = decode_with_engine_core_cpu(server, batch, rng)
+                decode.append((float(batch), step_s))
+                spin.append((float(batch), core_s))
             prefill = [(float(p), prefill_step_s(server, p, rng)) for p in PREFILL_TOKENS]
             context = [
                 (float(p), decode_step_s(server, CONTEXT_BATCH, rng, prompt_tokens=p))
@@ -437,6 +459,9 @@ def main() -> int:
     print("prefill: prompt tokens -> seconds of the prefill step")
     for p, seconds in prefill:
         print(f"  {int(p):>5}  {seconds * 1e3:8.3f} ms")
+    print("engine core: batch -> its CPU seconds per decode step (it spins through the step)")
+    for n, seconds in spin:
+        print(f"  {int(n):>5}  {seconds * 1e3:8.3f} ms")
     print("host: output tokens -> CPU seconds per request outside the engine")
     for n, seconds in host:
         print(f"  {int(n):>5}  {seconds * 1e3:8.3f} ms")
@@ -462,6 +487,7 @@ def main() -> int:
                     "prefill": prefill,
                     "host_s": [float(host_request), float(host_token)],
                     "scheduler_step_s": scheduler,
+                    "engine_core_decode": spin,
                     "host": host,
                     "load_average": os.getloadavg(),
                 }
