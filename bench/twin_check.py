@@ -20,7 +20,9 @@ Per world: requests served, abandoned, TTFT p50/p99 (the queueing delay of every
 request), real and twin side by side, and the engine steps each took, with the CPU the
 real servers' processes spent per step by role (worker, engine core, API process), which
 the twin's step cost prices; ``*_served_error`` = |twin / real - 1| and
-``*_ttft_p50_error`` likewise (targets: 0.10 and 0.25). The twin also runs with the
+``*_ttft_p50_error`` likewise (targets: 0.10 and 0.25); ``*_kvshare_over_static``, served
+kvshare / static, real and twin; and the CPU the calibrating server's engine core spent
+per decode step of the smallest and largest batch. The twin also runs with the
 committed calibration and with MPS-style sharing (``twin_alt_*``), to show how far the
 result moves with the step cost and the sharing model. The load average before and after
 is recorded: the real servers share these cores with whatever else runs.
@@ -64,9 +66,10 @@ PATIENCE_S = 5.0
 HERE = "this-machine"
 
 
-def calibrate_here() -> CpuStepCost:
+def calibrate_here() -> tuple[CpuStepCost, dict[float, float]]:
     """The step cost of the servers' ``vllm serve`` measured on this machine now
-    (``tools/calibrate_step_cost.py`` on the default serving environment)."""
+    (``tools/calibrate_step_cost.py`` on the default serving environment), and the CPU
+    its engine-core process spent per decode step, by batch (it spins through each step)."""
     python = DEFAULT_SERVING.require()
     tool = checkout_root() / "tools" / "calibrate_step_cost.py"
     done = subprocess.run(
@@ -81,7 +84,8 @@ def calibrate_here() -> CpuStepCost:
         f"{DEFAULT_SERVING.name}, tiny Llama in float32, calibrate_step_cost.py on this "
         f"machine before the check (load average {fit['load_average'][0]:.1f})"
     )
-    return measured_step_cost(fit, source)
+    spin = {float(batch): float(seconds) for batch, seconds in fit["engine_core_decode"]}
+    return measured_step_cost(fit, source), spin
 
 
 def relative_error(twin: float, real: float) -> float:
@@ -129,9 +133,11 @@ def run(quick: bool) -> Result:
     trace = trace_mod.generate(config)
     fields: dict[str, float | int | str] = {"offered": len(trace.requests)}
     fields["load_before"] = round(os.getloadavg()[0], 2)
-    here = calibrate_here()
+    here, spin = calibrate_here()
     register_calibration(HERE, here)
     fields["here_decode_fixed_ms"] = round(here.fixed_s * 1000, 2)
+    for batch in (min(spin), max(spin)):
+        fields[f"here_engine_core_ms_per_step_batch_{batch:.0f}"] = round(spin[batch] * 1000, 2)
     fields["here_prefill_us_per_token"] = round(here.prefill_token_s * 1e6, 1)
     committed = CALIBRATIONS[DEFAULT_CALIBRATION]
     fields["committed_decode_fixed_ms"] = round(committed.fixed_s * 1000, 2)
@@ -150,6 +156,10 @@ def run(quick: bool) -> Result:
     fields.update(twin_fields(trace, HERE, "time-slicing", "twin_"))
     fields.update(twin_fields(trace, DEFAULT_CALIBRATION, "time-slicing", "twin_alt_calibration_"))
     fields.update(twin_fields(trace, HERE, "mps", "twin_alt_sharing_"))
+    for source in ("real", "twin"):
+        served = float(fields[f"{source}_static_served"])
+        ratio = float(fields[f"{source}_elastic_served"]) / served if served else 0.0
+        fields[f"{source}_kvshare_over_static"] = round(ratio, 3)
     targets = []
     for mode in WORLDS:
         for measure in ("served", "ttft_p50_s"):
