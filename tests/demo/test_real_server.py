@@ -5,6 +5,8 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
+
 from kvshare.demo.real_server import replay_and_sample
 
 #: Seconds a test waits for something that should happen at once.
@@ -44,3 +46,14 @@ def test_a_sample_whose_scrape_times_out_is_skipped_and_the_next_ones_are_taken(
     replay_and_sample(time.monotonic(), 0.3, 0.1, lambda _: None, take_sample)
 
     assert len(samples) >= 3 and samples[-1] == 0.3
+
+
+def test_a_sample_that_fails_otherwise_fails_the_run_once_the_replay_is_over() -> None:
+    sent_at: list[float] = []
+
+    def take_sample(now_s: float) -> None:
+        raise ValueError("not a metrics page")
+
+    with pytest.raises(ValueError, match="not a metrics page"):
+        replay_and_sample(time.monotonic(), 0.2, 0.1, sent_at.append, take_sample)
+    assert sent_at[-1] == 0.2  # the replay ran to its end

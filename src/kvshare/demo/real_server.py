@@ -257,9 +257,17 @@ def replay_and_sample(
     A sample scrapes the server's metrics page (and the agent's), which a loaded API
     process answers late: on the replay's thread it would send the requests due meanwhile
     late, with the clients' patience counted from then. A sample whose scrape fails or
-    times out is skipped with a warning; the next one is taken on time."""
+    times out is skipped with a warning; the next one is taken on time. Any other error
+    of a sample ends the sampling and is raised here once the replay is over."""
+    failed: list[BaseException] = []
 
     def sample_until_end() -> None:
+        try:
+            take_every_sample()
+        except BaseException as exc:  # raised on the replay's thread below
+            failed.append(exc)
+
+    def take_every_sample() -> None:
         next_s = 0.0
         while True:
             now_s = min(time.monotonic() - start, duration_s)
@@ -283,6 +291,8 @@ def replay_and_sample(
             break
         time.sleep(TICK_S)
     sampler.join()
+    if failed:
+        raise failed[0]
 
 
 def _sample(replay: Replay, server: VllmServer, memory: _Memory, now_s: float) -> Sample:
