@@ -51,6 +51,7 @@ safetensors and tokenizers are imported (all of them come with vLLM).
 from __future__ import annotations
 
 import argparse
+import functools
 import http.client
 import json
 import os
@@ -65,6 +66,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
+
+T = TypeVar("T")
 
 DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 PREFILL_TOKENS = (16, 128, 256, 512, 1024, 2048)
@@ -328,17 +332,15 @@ def decode_step_s(
     return server.mean_of("vllm:request_time_per_output_token_seconds", run)
 
 
-def decode_with_engine_core_cpu(
-    server: Server, batch: int, rng: random.Random
-) -> tuple[float, float]:
-    """:func:`decode_step_s` of ``batch``, and the CPU seconds the engine-core process
-    spent per step meanwhile."""
+def engine_core_cpu_per_step(server: Server, run: Callable[[], T]) -> tuple[T, float]:
+    """What ``run()`` returns, and the CPU seconds the engine-core process spent per
+    engine step while it ran."""
     core = server.engine_core_pid()
     cpu_before = _cpu_s(core)
     _, steps_before = server.histogram("vllm:iteration_tokens_total")
-    seconds = decode_step_s(server, batch, rng)
+    result = run()
     _, steps_after = server.histogram("vllm:iteration_tokens_total")
-    return seconds, (_cpu_s(core) - cpu_before) / max(1.0, steps_after - steps_before)
+    return result, (_cpu_s(core) - cpu_before) / max(1.0, steps_after - steps_before)
 
 
 def prefill_step_s(server: Server, prompt_tokens: int, rng: random.Random) -> float:
@@ -367,20 +369,20 @@ def host_cpu_s(server: Server, max_tokens: int, rng: random.Random) -> tuple[flo
         with lock:
             client_s.append(time.thread_time() - started)
 
-    api, core = server.process.pid, server.engine_core_pid()
-    api_before, core_before = _cpu_s(api), _cpu_s(core)
-    _, steps_before = server.histogram("vllm:iteration_tokens_total")
-    threads = [
-        threading.Thread(target=client, args=(prompts[i::HOST_CONCURRENCY],))
-        for i in range(HOST_CONCURRENCY)
-    ]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    _, steps_after = server.histogram("vllm:iteration_tokens_total")
-    host = (_cpu_s(api) - api_before + sum(client_s)) / HOST_REQUESTS
-    return host, (_cpu_s(core) - core_before) / max(1.0, steps_after - steps_before)
+    def run() -> None:
+        threads = [
+            threading.Thread(target=client, args=(prompts[i::HOST_CONCURRENCY],))
+            for i in range(HOST_CONCURRENCY)
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+
+    api = server.process.pid
+    api_before = _cpu_s(api)
+    _, core_per_step = engine_core_cpu_per_step(server, run)
+    return (_cpu_s(api) - api_before + sum(client_s)) / HOST_REQUESTS, core_per_step
 
 
 def fit_step(points: list[tuple[float, float, float]]) -> tuple[float, float, float]:
@@ -428,7 +430,9 @@ def main() -> int:
             decode: list[tuple[float, float]] = []
             spin: list[tuple[float, float]] = []  # engine-core CPU seconds per step
             for batch in DECODE_BATCHES:
-                step_s, core_s = decode_with_engine_core_cpu(server, batch, rng)
+                step_s, core_s = engine_core_cpu_per_step(
+                    server, functools.partial(decode_step_s, server, batch, rng)
+                )
                 decode.append((float(batch), step_s))
                 spin.append((float(batch), core_s))
             prefill = [(float(p), prefill_step_s(server, p, rng)) for p in PREFILL_TOKENS]

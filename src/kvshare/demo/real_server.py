@@ -38,7 +38,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -262,37 +262,37 @@ def replay_and_sample(
     failed: list[BaseException] = []
 
     def sample_until_end() -> None:
+        next_s = 0.0
         try:
-            take_every_sample()
+            for now_s in _ticks(start, duration_s):
+                if now_s >= next_s - 1e-9:
+                    try:
+                        take_sample(now_s)
+                    except OSError as exc:  # urllib's errors and timeouts are OSErrors
+                        log.warning("the sample at %.1f s is skipped: %s", now_s, exc)
+                    elapsed_s = time.monotonic() - start
+                    next_s = min(max(next_s + sample_s, elapsed_s), duration_s)
         except BaseException as exc:  # raised on the replay's thread below
             failed.append(exc)
 
-    def take_every_sample() -> None:
-        next_s = 0.0
-        while True:
-            now_s = min(time.monotonic() - start, duration_s)
-            if now_s >= next_s - 1e-9:
-                try:
-                    take_sample(now_s)
-                except OSError as exc:  # urllib's errors and timeouts are OSErrors
-                    log.warning("the sample at %.1f s is skipped: %s", now_s, exc)
-                elapsed_s = time.monotonic() - start
-                next_s = min(max(next_s + sample_s, elapsed_s), duration_s)
-            if now_s >= duration_s - 1e-9:
-                return
-            time.sleep(TICK_S)
-
     sampler = threading.Thread(target=sample_until_end, name="sampler", daemon=True)
     sampler.start()
-    while True:
-        now_s = min(time.monotonic() - start, duration_s)
+    for now_s in _ticks(start, duration_s):
         send_due(now_s)
-        if now_s >= duration_s - 1e-9:
-            break
-        time.sleep(TICK_S)
     sampler.join()
     if failed:
         raise failed[0]
+
+
+def _ticks(start: float, duration_s: float) -> Iterator[float]:
+    """Trace seconds since ``start`` (monotonic) every :data:`TICK_S`, up to and with
+    ``duration_s`` itself."""
+    while True:
+        now_s = min(time.monotonic() - start, duration_s)
+        yield now_s
+        if now_s >= duration_s - 1e-9:
+            return
+        time.sleep(TICK_S)
 
 
 def _sample(replay: Replay, server: VllmServer, memory: _Memory, now_s: float) -> Sample:
