@@ -92,8 +92,8 @@ def test_make_gpu_check_dry_run_runs_the_dry_run_instead_of_printing_the_command
             "--no-print-directory",
             "-n",
             "gpu-check",
-            "GPU_CHECK_ARGS=--skip gpu_tests "
-            "--skip page_ops --skip decode --skip trade --skip colocated_start",
+            "GPU_CHECK_ARGS=--skip gpu_tests --skip page_ops --skip decode --skip trade "
+            "--skip colocated_start --skip lease_enforcement --skip shared_compute",
         ],
         cwd=ROOT,
         capture_output=True,

@@ -32,9 +32,17 @@ def short_tmp() -> Iterator[Path]:
     shutil.rmtree(path, ignore_errors=True)
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Wait for the suites last: they run in the background from the session's start, so
+    every test left to run after the first wait runs beside them instead of after them."""
+    waits = [item for item in items if item.path.name == "test_engine_suites.py"]
+    if waits:
+        items[:] = [item for item in items if item.path.name != "test_engine_suites.py"] + waits
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Start the suites as soon as the session knows it runs them: they run beside the
-    tests collected before them (see ``line_suites.SUITE_NICENESS``)."""
+    rest of the session (see ``line_suites.SUITE_NICENESS``)."""
     if not os.environ.get(SUITE_VARIABLE) and any(
         item.path.name == "test_engine_suites.py" for item in session.items
     ):
