@@ -30,7 +30,8 @@ figure that differs from another run's by less than the swing tells nothing.
 The default trace's ratio (elastic / static served, least over its seeds) is given twice:
 on the calibrated engines, beside the ratio the shared bound itself reaches there
 (``default_bound_ratio``), and on engines whose every step takes its fixed time
-(``--fixed-steps``), the demo's engine on which the ratio's target of 1.5 was first set.
+(``--fixed-steps``), the demo's engine on which the ratio's target of 1.5 was first set
+(retired with the other overload targets: ``bench/elastic_targets.py``).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from __future__ import annotations
 import statistics
 from concurrent.futures import ProcessPoolExecutor
 
-from elastic_targets import default_ratio_target, suite_targets
+from elastic_targets import suite_targets
 from harness import Result
 from kvshare.demo import suite
 from kvshare.demo.bound import sharing_bound
@@ -135,11 +136,7 @@ def measure(seeds: int, families: tuple[str, ...]) -> Result:
     return Result(
         name="elastic-sim",
         fields=fields,
-        targets=[target for label in candidates for target in suite_targets(label)]
-        + [
-            default_ratio_target(f"default_ratio.{DEFAULT_POLICY}"),
-            default_ratio_target(f"default_ratio_fixed_steps.{DEFAULT_POLICY}"),
-        ],
+        targets=[target for label in candidates for target in suite_targets(label)],
         notes=(
             f"{len(jobs)} traces: {_seeds_named(seeds)} of {', '.join(families)} "
             f"(src/kvshare/demo/suite.py), each with every policy ({', '.join(sorted(POLICIES))}) "

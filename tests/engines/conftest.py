@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.engines.line_suites import SUITE_VARIABLE, EngineSuites, Suite
+from tests.engines.line_suites import ROOT, SUITE_VARIABLE, EngineSuites, Suite
 
 #: Where the outer run keeps its :class:`EngineSuites`.
 SUITES = pytest.StashKey[EngineSuites]()
@@ -33,11 +33,17 @@ def short_tmp() -> Iterator[Path]:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Wait for the suites last: they run in the background from the session's start, so
-    every test left to run after the first wait runs beside them instead of after them."""
+    """Wait for the suites as late as the serving tests allow: the suites run in the
+    background from the session's start, so every test before the wait runs beside them
+    rather than after them. The serving tests come after it: their servers run at the
+    suites' low priority and some of their checks are timed, so they keep the cores to
+    themselves as before."""
     waits = [item for item in items if item.path.name == "test_engine_suites.py"]
-    if waits:
-        items[:] = [item for item in items if item.path.name != "test_engine_suites.py"] + waits
+    if not waits:
+        return
+    serving = [item for item in items if "serving" in item.path.relative_to(ROOT).parts[:2]]
+    others = [item for item in items if item not in waits and item not in serving]
+    items[:] = [*others, *waits, *serving]
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
