@@ -88,7 +88,9 @@ def test_a_lowered_tree_in_a_session_of_its_own_is_niced_against_other_sessions_
         if group.exists():
             assert group.read_text().split()[-1] == "7"
     finally:
-        tree.terminate()
+        # Niced in a scheduling group of its own, the tree may not get the CPU to stop
+        # within the wait on a loaded machine; stopping is not what this test checks.
+        os.killpg(tree.pid, signal.SIGKILL)
         tree.wait(30)
 
 

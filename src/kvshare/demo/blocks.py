@@ -12,7 +12,7 @@ import threading
 from collections.abc import Iterable, Sequence
 from typing import Protocol
 
-__all__ = ["BlockAllocator", "PrefixCache"]
+__all__ = ["BlockAllocator", "ModelShare", "PrefixCache", "SharedBlocks"]
 
 
 class BlockAllocator(Protocol):
@@ -28,6 +28,35 @@ class BlockAllocator(Protocol):
     def expect_blocks(self, count: int) -> None:
         """The engine's running requests take at most ``count`` new blocks in its next
         step (said after each step)."""
+
+
+class SharedBlocks(Protocol):
+    """Blocks from one memory for several models, first come (the worlds without a
+    broker: the pooled bound, first-come pages)."""
+
+    def alloc(self, model: int, n: int) -> list[int] | None:
+        """``n`` block ids for ``model``, or None (nothing taken) when they do not fit."""
+
+    def free(self, model: int, ids: Iterable[int]) -> None:
+        """Give ``model``'s blocks back."""
+
+
+class ModelShare:
+    """One model's side of :class:`SharedBlocks`: the :class:`BlockAllocator` its engine
+    uses. Such a world has no lease, so there is nothing to keep pages for."""
+
+    def __init__(self, blocks: SharedBlocks, model: int) -> None:
+        self._blocks = blocks
+        self._model = model
+
+    def alloc(self, n: int, *, running: bool = False) -> list[int] | None:
+        return self._blocks.alloc(self._model, n)
+
+    def free(self, ids: Iterable[int]) -> None:
+        self._blocks.free(self._model, ids)
+
+    def expect_blocks(self, count: int) -> None:
+        """Nothing to keep pages for: no lease."""
 
 
 class PrefixCache:

@@ -36,7 +36,7 @@ import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from kvshare.demo.blocks import BlockAllocator
+from kvshare.demo.blocks import BlockAllocator, ModelShare
 from kvshare.demo.engine_sim import EngineSim
 from kvshare.demo.trace import Trace
 
@@ -76,9 +76,9 @@ class _PagePool:
         self._open: list[dict[int, list[int]]] = [{} for _ in range(models)]
         self._free_in_open = [0] * models
 
-    def view(self, model: int) -> _PageView:
+    def view(self, model: int) -> ModelShare:
         """The allocator one model's engine uses."""
-        return _PageView(self, model)
+        return ModelShare(self, model)
 
     def alloc(self, model: int, n: int) -> list[int] | None:
         """``n`` block ids for ``model``, or None (nothing taken) when its pages and the
@@ -121,23 +121,6 @@ class _PagePool:
             else:
                 opened.setdefault(page, []).append(block)
                 self._free_in_open[model] += 1
-
-
-class _PageView:
-    """One model's side of a :class:`_PagePool` (the engine's ``BlockAllocator``)."""
-
-    def __init__(self, pool: _PagePool, model: int) -> None:
-        self._pool = pool
-        self._model = model
-
-    def alloc(self, n: int, *, running: bool = False) -> list[int] | None:
-        return self._pool.alloc(self._model, n)
-
-    def free(self, ids: Iterable[int]) -> None:
-        self._pool.free(self._model, ids)
-
-    def expect_blocks(self, count: int) -> None:
-        """Nothing to keep pages for: this world has no lease."""
 
 
 @dataclass(frozen=True)

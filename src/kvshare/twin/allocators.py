@@ -9,7 +9,8 @@ engine never sees another's.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Protocol
+
+from kvshare.demo.blocks import ModelShare
 
 __all__ = ["FirstComePages", "SharedBytes"]
 
@@ -24,9 +25,9 @@ class SharedBytes:
         self._next_id = [1] * len(block_bytes)  # 0 is every engine's null block
         self._recycled: list[list[int]] = [[] for _ in block_bytes]
 
-    def view(self, model: int) -> _ModelView:
+    def view(self, model: int) -> ModelShare:
         """The allocator engine ``model`` uses."""
-        return _ModelView(self, model)
+        return ModelShare(self, model)
 
     def alloc(self, model: int, n: int) -> list[int] | None:
         cost = n * self._block_bytes[model]
@@ -67,9 +68,9 @@ class FirstComePages:
         self._free_in_open = [0] * models
         self.pages_returned = 0
 
-    def view(self, model: int) -> _ModelView:
+    def view(self, model: int) -> ModelShare:
         """The allocator engine ``model`` uses."""
-        return _ModelView(self, model)
+        return ModelShare(self, model)
 
     def held_pages(self, model: int) -> int:
         """Pages engine ``model`` holds mapped."""
@@ -119,28 +120,3 @@ class FirstComePages:
             else:
                 opened.setdefault(page, []).append(block)
                 self._free_in_open[model] += 1
-
-
-class _SharedPool(Protocol):
-    """What both shared allocators offer a model: blocks from one memory for all."""
-
-    def alloc(self, model: int, n: int) -> list[int] | None: ...
-
-    def free(self, model: int, ids: Iterable[int]) -> None: ...
-
-
-class _ModelView:
-    """One model's side of a shared allocator (the engine's ``BlockAllocator``)."""
-
-    def __init__(self, pool: _SharedPool, model: int) -> None:
-        self._pool = pool
-        self._model = model
-
-    def alloc(self, n: int, *, running: bool = False) -> list[int] | None:
-        return self._pool.alloc(self._model, n)
-
-    def free(self, ids: Iterable[int]) -> None:
-        self._pool.free(self._model, ids)
-
-    def expect_blocks(self, count: int) -> None:
-        """Nothing to keep for: this world has no lease."""
