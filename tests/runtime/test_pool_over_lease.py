@@ -101,4 +101,3 @@ def test_while_over_its_lease_running_requests_grow_into_the_free_blocks_of_reti
     pool.maintain()
     snap = pool.snapshot()
     assert snap.held <= snap.limit == 2 * page_bytes
-
