@@ -32,13 +32,17 @@ def short_tmp() -> Iterator[Path]:
     shutil.rmtree(path, ignore_errors=True)
 
 
+def _waits_for_the_suites(item: pytest.Item) -> bool:
+    return item.path.name == "test_engine_suites.py"
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Wait for the suites as late as the serving tests allow: the suites run in the
     background from the session's start, so every test before the wait runs beside them
     rather than after them. The serving tests come after it: their servers run at the
     suites' low priority and some of their checks are timed, so they keep the cores to
     themselves as before."""
-    waits = [item for item in items if item.path.name == "test_engine_suites.py"]
+    waits = [item for item in items if _waits_for_the_suites(item)]
     if not waits:
         return
     serving = [item for item in items if "serving" in item.path.relative_to(ROOT).parts[:2]]
@@ -49,9 +53,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Start the suites as soon as the session knows it runs them: they run beside the
     rest of the session (see ``line_suites.SUITE_NICENESS``)."""
-    if not os.environ.get(SUITE_VARIABLE) and any(
-        item.path.name == "test_engine_suites.py" for item in session.items
-    ):
+    if not os.environ.get(SUITE_VARIABLE) and any(map(_waits_for_the_suites, session.items)):
         session.config.stash[SUITES] = EngineSuites()
 
 
