@@ -57,8 +57,8 @@ from kvshare.twin.cpu import (
     CALIBRATIONS,
     DEFAULT_CALIBRATION,
     CpuStepCost,
+    measured_calibration,
     measured_step_cost,
-    register_calibration,
 )
 from kvshare.twin.demo_check import check_options, client_view, trace_workload
 from kvshare.twin.worlds import run_world
@@ -179,7 +179,6 @@ def run(quick: bool) -> Result:
     fields: dict[str, float | int | str] = {"offered": len(trace.requests)}
     fields["load_before"] = round(os.getloadavg()[0], 2)
     here, spin = calibrate_here()
-    register_calibration(HERE, here)
     fields["here_decode_fixed_ms"] = round(here.fixed_s * 1000, 2)
     for batch in (min(spin), max(spin)):
         fields[f"here_engine_core_ms_per_step_batch_{batch:.0f}"] = round(spin[batch] * 1000, 2)
@@ -191,9 +190,10 @@ def run(quick: bool) -> Result:
         outcomes = [run_trace(trace, Path(scratch) / f"run-{n}") for n in range(runs)]
     fields["load_after"] = round(os.getloadavg()[0], 2)
     fields.update(real_fields(outcomes))
-    fields.update(twin_fields(trace, HERE, "time-slicing", "twin_"))
+    with measured_calibration(HERE, here):
+        fields.update(twin_fields(trace, HERE, "time-slicing", "twin_"))
+        fields.update(twin_fields(trace, HERE, "mps", "twin_alt_sharing_"))
     fields.update(twin_fields(trace, DEFAULT_CALIBRATION, "time-slicing", "twin_alt_calibration_"))
-    fields.update(twin_fields(trace, HERE, "mps", "twin_alt_sharing_"))
     for source in ("real", "twin"):
         served = float(fields[f"{source}_static_served"])
         ratio = float(fields[f"{source}_elastic_served"]) / served if served else 0.0

@@ -3,6 +3,7 @@ counted as the demo counts its real servers."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -19,8 +20,8 @@ from kvshare.twin.cpu import (
     CpuStepCost,
     cpu_device,
     cpu_device_name,
+    measured_calibration,
     measured_step_cost,
-    register_calibration,
     tiny_architecture,
 )
 from kvshare.twin.demo_check import check_options, client_view, trace_workload
@@ -67,9 +68,7 @@ def test_the_cpu_step_cost_adds_its_measured_terms() -> None:
     assert cost.step_seconds(prefill) == pytest.approx(1e-3 + 200e-6 + 10e-6)
 
 
-def test_a_calibration_measured_at_run_time_prices_the_steps_of_a_device_named_after_it(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_a_calibration_measured_at_run_time_prices_the_steps_of_a_device_named_after_it() -> None:
     """twin-check measures the machine it runs on: the fit the calibration tool prints
     (these numbers from a run on an AMD EPYC core) becomes a calibration by name."""
     fit = {
@@ -92,12 +91,27 @@ def test_a_calibration_measured_at_run_time_prices_the_steps_of_a_device_named_a
         199e-6,
         3.33e-3,
     )
-    monkeypatch.setattr("kvshare.twin.cpu.CALIBRATIONS", dict(CALIBRATIONS))
-    register_calibration("this-machine", cost)
-    device = cpu_device(cpu_device_name(48 * 2**20, calibration="this-machine"))
-    assert device.cost(ModelSpec("m", TINY_ARCHITECTURE)) is cost
-    with pytest.raises(ValueError, match="lower-case"):
-        register_calibration("This Machine", cost)
+    name = cpu_device_name(48 * 2**20, calibration="this-machine")
+    with measured_calibration("this-machine", cost):
+        assert cpu_device(name).cost(ModelSpec("m", TINY_ARCHITECTURE)) is cost
+    with pytest.raises(ValueError, match="no CPU calibration 'this-machine'"):
+        cpu_device(name)  # forgotten after the block
+    with pytest.raises(ValueError, match="lower-case"), measured_calibration("This Machine", cost):
+        pass
+
+
+def test_a_measured_calibration_never_replaces_a_known_one() -> None:
+    cost = dataclasses.replace(CALIBRATIONS[DEFAULT_CALIBRATION], fixed_s=1.0, source="here")
+    with (
+        pytest.raises(ValueError, match="already known"),
+        measured_calibration(DEFAULT_CALIBRATION, cost),
+    ):
+        pass
+    assert CALIBRATIONS[DEFAULT_CALIBRATION].fixed_s != 1.0
+    with measured_calibration("here", cost):
+        with pytest.raises(ValueError, match="already known"), measured_calibration("here", cost):
+            pass
+        assert CALIBRATIONS["here"] is cost
 
 
 def test_what_serving_costs_outside_the_engine_comes_with_every_token_and_request() -> None:

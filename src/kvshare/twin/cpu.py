@@ -34,11 +34,12 @@ the pinned engines, the node agent and any other load on the machine.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,8 +59,8 @@ __all__ = [
     "cpu_device",
     "cpu_device_name",
     "is_cpu_name",
+    "measured_calibration",
     "measured_step_cost",
-    "register_calibration",
     "tiny_architecture",
 ]
 
@@ -180,13 +181,22 @@ def measured_step_cost(fit: Mapping[str, Any], source: str) -> CpuStepCost:
     )
 
 
-def register_calibration(name: str, cost: CpuStepCost) -> None:
-    """Make ``cost`` known as calibration ``name`` (a CPU device named ``...@name``
-    prices its steps with it): one measured at run time, such as ``twin-check``'s of the
-    machine it runs on, whose cores may be faster or slower than those measured here."""
+@contextlib.contextmanager
+def measured_calibration(name: str, cost: CpuStepCost) -> Iterator[str]:
+    """Make ``cost`` known as calibration ``name`` while the block runs (a CPU device named
+    ``...@name`` prices its steps with it), and forget it after: one measured at run time,
+    such as ``twin-check``'s of the machine it runs on, whose cores may be faster or slower
+    than those measured here. A name already known is refused: a measurement never
+    replaces a committed calibration, nor one another block is using."""
     if not re.fullmatch(r"[a-z0-9.-]+", name):
         raise ValueError(f"a calibration's name is lower-case letters, digits, . and -: {name!r}")
+    if name in CALIBRATIONS:
+        raise ValueError(f"a calibration called {name!r} is already known")
     CALIBRATIONS[name] = cost
+    try:
+        yield name
+    finally:
+        del CALIBRATIONS[name]
 
 
 @functools.cache
