@@ -25,12 +25,12 @@ the twin's step cost prices. The real figures are the medians over the runs, bes
 world's lowest and highest served and their spread; ``*_served_error`` = |twin / real -
 1| against the median and ``*_ttft_p50_error`` likewise (targets: 0.10 and 0.25);
 ``twin_*_served_within_real_runs`` says whether the twin's served lies within the real
-runs'; ``*_kvshare_over_static``, served
-kvshare / static, real and twin; and the CPU the calibrating server's engine core spent
-per decode step of the smallest and largest batch. The twin also runs with the
-committed calibration and with MPS-style sharing (``twin_alt_*``), to show how far the
-result moves with the step cost and the sharing model. The load average before and after
-is recorded: the real servers share these cores with whatever else runs.
+runs'; ``*_kvshare_over_static``, served kvshare / static, real and twin; and the CPU the
+calibrating server's engine core spent per decode step of the smallest and largest batch.
+The twin also runs with the committed calibration and with MPS-style sharing
+(``twin_alt_*``), to show how far the result moves with the step cost and the sharing
+model. The load average before and after is recorded: the real servers share these cores
+with whatever else runs.
 """
 
 from __future__ import annotations
@@ -152,8 +152,8 @@ def run_fields(outcome: DemoOutcome, mode: str) -> dict[str, float]:
 
 def real_fields(outcomes: list[DemoOutcome]) -> dict[str, float | int]:
     """The real runs side by side: every figure of :func:`run_fields` as its median over
-    the runs (what the twin is judged against), and each world's served in every run
-    (``real_<world>_served_runs``, lowest and highest) and their spread, (highest -
+    the runs (what the twin is judged against), and each world's lowest and highest
+    served (``real_<world>_served_lowest``, ``_highest``) and their spread, (highest -
     lowest) / median: how far the same trace moves between runs on this machine."""
     fields: dict[str, float | int] = {"real_runs": len(outcomes)}
     for mode in WORLDS:
