@@ -42,12 +42,14 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     rather than after them. The serving tests come after it: their servers run at the
     suites' low priority and some of their checks are timed, so they keep the cores to
     themselves as before."""
-    waits = [item for item in items if _waits_for_the_suites(item)]
-    if not waits:
-        return
-    serving = [item for item in items if "serving" in item.path.relative_to(ROOT).parts[:2]]
-    others = [item for item in items if item not in waits and item not in serving]
-    items[:] = [*others, *waits, *serving]
+
+    def place(item: pytest.Item) -> int:
+        if _waits_for_the_suites(item):
+            return 1
+        return 2 if "serving" in item.path.relative_to(ROOT).parts[:2] else 0
+
+    if any(map(_waits_for_the_suites, items)):
+        items.sort(key=place)  # stable: each part keeps its own order
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
